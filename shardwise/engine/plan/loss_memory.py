@@ -73,6 +73,8 @@ def loss_memory(
     return LossMemory(sum(kept.values()), max(seen.peak - sum(kept.values()), 0), "", made)
 
 
+# (accounting.observing's hooks, without its observer for layer wrappers, which a loss has none of: accounting
+# imports this module, so this one cannot import it.)
 def _noting(note: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], torch.Tensor]:
     def pack(t: torch.Tensor) -> torch.Tensor:
         note(t)

@@ -729,11 +729,10 @@ def _kept_per_rank(
     # this rank, keeps it as its input, that one counted it already from its forward to its backward (within).
     # A ReLU's result between two Linears was counted only to the second one's backward (a plain MLP's Plan 0.78
     # of its measured peak).
-    held = [sum(parts.own[n] + (parts.recorded.get(n, 0) if s > 0 else 0)
-                + parts.kept_outputs.get(n, (0, 0, 0))[0]
-                - (parts.kept_outputs.get(n, (0, 0, 0))[1]
-                   if i > 0 or (s > 0 and placement.stage_rank[s - 1] == placement.stage_rank[s]) else 0)
-                for i, n in enumerate(layers))
+    held = [per_stage[s] + sum(parts.kept_outputs.get(n, (0, 0, 0))[0]
+                               - (parts.kept_outputs.get(n, (0, 0, 0))[1]
+                                  if i > 0 or (s > 0 and placement.stage_rank[s - 1] == placement.stage_rank[s]) else 0)
+                               for i, n in enumerate(layers))
             for s, layers in enumerate(placement.stages)]
     return _Kept(per_rank, held, in_backward, parts.batch, parts.loss, parts.stand_ins, parts.backward_unknown)
 
