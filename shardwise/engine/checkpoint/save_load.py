@@ -99,6 +99,7 @@ from .file_format import (
 )
 from .held_names import every_ranks_names
 from .load_state import build_state, other_optimizer_or_layout
+from .model_of_state import other_model
 from .names import module_params, state_dict_names
 from .opt_structure import record_digest, record_structure, update_name
 
@@ -304,8 +305,9 @@ def _at_exit() -> None:
 
 
 def _consumed(step: Any, state: TrainState) -> str | None:
-    """Why ``state`` cannot be saved, if an in-place update of ``step`` already wrote past it, or its
-    parameters are not laid out as the step's init lays them out (cast or replaced by hand)."""
+    """Why ``state`` cannot be saved, if an in-place update of ``step`` already wrote past it, its
+    parameters are not laid out as the step's init lays them out (cast or replaced by hand), or it was
+    made for a model whose buffers or frozen parameters differ from the step's (model_of_state)."""
     # A Step's (engine/step sits above this folder); a step-like object may have only the first.
     check = getattr(step, "check_state", None) or getattr(step, "check_not_consumed", None)
     if check is None:
@@ -314,7 +316,7 @@ def _consumed(step: Any, state: TrainState) -> str | None:
         check(state)
     except (ValueError, TypeError) as err:
         return str(err)
-    return None
+    return other_model(step, state)
 
 
 def _snapshot(state: TrainState, step: Any, layout: StateLayout, mesh: Mesh | None, names: Any, rank: int,

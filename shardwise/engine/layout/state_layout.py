@@ -16,6 +16,7 @@ is of the slices a rank computes with.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,6 +325,27 @@ class BoundedCache(dict[Any, Any]):
         return BoundedCache, (self.size,)  # a cache travels empty
 
 
+class ModelTag:
+    """Which model a layout was made for: a weak reference to the step's chain (its ``base_chain``),
+    whose buffers and frozen parameters a checkpoint writes beside the state's parameters. Weak, so a
+    state does not keep a model alive; a pickled or copied layout carries an empty tag (the model is not
+    known there, and nothing is checked)."""
+
+    def __init__(self, chain: Chain | None = None) -> None:
+        self._ref = None if chain is None else weakref.ref(chain)
+
+    @property
+    def chain(self) -> Chain | None:
+        """The chain, while it lives; else None."""
+        return None if self._ref is None else self._ref()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return ModelTag, ()  # a tag travels empty: a weak reference does not pickle
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> ModelTag:
+        return self  # the same model: a copy of a layout is still that model's
+
+
 @dataclass(frozen=True)
 class StateLayout:
     """The static part of a TrainState: how the parameters are laid out on the mesh.
@@ -350,6 +372,9 @@ class StateLayout:
     frozen_dtypes: frozenset[torch.dtype] = frozenset()
     # Derived data, memoised per input layout / pipeline index: never part of equality.
     cache: dict[Any, Any] = field(default_factory=lambda: BoundedCache(64), compare=False, repr=False)
+    # The model the layout was made for (the step's base chain), never part of equality: a checkpoint
+    # refuses to write another model's frozen tensors beside this state's parameters (model_of_state).
+    model: ModelTag = field(default_factory=ModelTag, compare=False, repr=False)
 
     def index_of(self, mesh: Mesh | None) -> int:
         return self.placement.index_of(mesh)

@@ -15,7 +15,7 @@ from ..checkpoint.cut import split_opt_state
 from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params
-from ..layout.state_layout import StateLayout, leaf_specs, local_params, meta_shards
+from ..layout.state_layout import ModelTag, StateLayout, leaf_specs, local_params, meta_shards
 from ..optim.meta_like import meta_like
 from ..plan.lower import placement_of, zero_holds_shards
 from ..plan.predict import FirstOutput, first_output, predict_boundaries, predict_output
@@ -113,10 +113,11 @@ def layouts_by_index(step: Step, mesh: Mesh | None, params: Params, rank: int | 
         for path, specs in mirrors.items():
             opt_leaves.setdefault(path, {}).update(specs)
         opt_scalars.update(scalars)
+    model = ModelTag(step.base_chain)
     return {
         i: StateLayout(
             placement, shardings[i], leaves, tuple(params), step.stack_key, schedule, opt_leaves=opt_leaves,
-            opt_scalars=opt_scalars, frozen_dtypes=frozen_dtypes(step),
+            opt_scalars=opt_scalars, frozen_dtypes=frozen_dtypes(step), model=model,
         )
         for i in shardings
     }
