@@ -691,12 +691,14 @@ def _check_model(
         # The same module functionalized with other units (its layers cut elsewhere): its parameters
         # are found by their state_dict keys, which the checkpoint holds them under.
         by_key = {p["key"]: p for p in meta["params"]}
-        key_of = state_dict_names(step.base_chain).param_key
+        names = state_dict_names(step.base_chain)
+        aliases = {a.removeprefix("model."): k.removeprefix("model.") for a, k in meta.get("aliases", {}).items()}
+        key_of = {k: _tie_named_from_its_other_end(key, by_key, aliases, names.aliases)
+                  for k, key in names.param_key.items()}
         keys_wanted = {key_of[k] for k in wanted if k in key_of}
         if len(keys_wanted) != len(wanted) or keys_wanted != set(by_key):
             missing = sorted(keys_wanted - set(by_key)) or sorted(f"{a}.{b}" for a, b in wanted - set(saved))
             extra = sorted(set(by_key) - keys_wanted)
-            aliases = {a.removeprefix("model."): k.removeprefix("model.") for a, k in meta.get("aliases", {}).items()}
             tied = [f"{m} (saved as a tie of {aliases[m]})" for m in missing if m in aliases]
             frozen = _frozen_either_side(meta, step, missing, extra)
             if frozen:
@@ -716,6 +718,18 @@ def _check_model(
     # step.init's order: each layer's parameters in the chain's order
     ordered = {layer.name: {n: params[layer.name][n] for n in layer.owned_param_names} for layer in chain.layers}
     return ordered, {k: p["key"] for k, p in saved.items()}
+
+
+def _tie_named_from_its_other_end(key: str, saved: Mapping[str, Any], saved_aliases: Mapping[str, str],
+                                  our_aliases: Mapping[str, str]) -> str:
+    """The saved key of this model's parameter ``key``: itself, or, where the checkpoint's model tied the same
+    two names the other way round (the module registered first owns a tie, so a model that registers
+    ``head`` before ``emb`` names ``emb.weight = head.weight`` by ``head.weight``), the name it was saved
+    under. Both models tie the two names: the one tensor, as ``load_state_dict`` takes either's."""
+    other = saved_aliases.get(key)
+    if other is not None and key not in saved and other in saved and our_aliases.get(other) == key:
+        return other
+    return key
 
 
 def _frozen_either_side(meta: Mapping[str, Any], step: Any, missing: list[str], extra: list[str]) -> str:
