@@ -535,6 +535,41 @@ def test_a_shared_table_whose_size_is_a_multiple_of_the_rows_is_cut_with_a_warni
         sw.testing.assert_equivalent(sw.shard_params(step, "dp", 2), step, sw.Mesh(dp=2), batches, params)
 
 
+class _Captioner(torch.nn.Module):
+    """COCO-style captioning: 5 captions an image, laid out image by image; each image's features are repeated for
+    its captions (``repeat_interleave``), so pixel_values has the rows and the captions' tensors 5 times as many."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.image, self.text = torch.nn.Linear(6, 4), torch.nn.Linear(3, 4)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        text = self.text(batch["captions"]) * batch["attention_mask"][:, None]
+        return text * self.image(batch["pixel_values"]).repeat_interleave(5, 0)
+
+
+def test_several_values_a_row_where_the_rows_are_the_fewest_tensors_are_cut_with_their_rows() -> None:
+    """Found by session 41's probing: pixel_values of 8 images beside 40 captions (and 40 targets) were refused, naming
+    pixel_values as "neither the batch's rows nor a multiple of them" (the rows were taken as the most common first
+    dim, 40), though the cut with 8 rows keeps each image with its captions. Now cut so, with a warning that names
+    what it took for the rows; ZeRO-3 and accumulation equal the one-device step."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_Captioner().double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1, momentum=0.9))
+    gen = torch.Generator().manual_seed(1)
+    batches = [({"pixel_values": torch.randn(8, 6, generator=gen, dtype=torch.float64),
+                 "captions": torch.randn(40, 3, generator=gen, dtype=torch.float64),
+                 "attention_mask": (torch.rand(40, generator=gen) > 0.2).double()},
+                torch.randn(40, 4, generator=gen, dtype=torch.float64)) for _ in range(2)]
+    for cut in (sw.shard_params(step, "dp", 3), sw.shard_params(step, "dp", 2, accumulation=2)):
+        with pytest.warns(UserWarning, match=(
+                r"the batch's tensors have \d rows \(\(inputs, targets\)\[0\]\['pixel_values'\]\) or a multiple of "
+                r"them \(\(inputs, targets\)\[0\]\['attention_mask'\] has \d+, \(inputs, targets\)\[0\]\['captions'\] "
+                r"has \d+, \(inputs, targets\)\[1\] has \d+\): taken as several values a row.*If \(inputs, "
+                r"targets\)\[0\]\['pixel_values'\] is instead a table shared by every row")):
+            sw.testing.assert_equivalent(cut, step, sw.Mesh(dp=2), batches, params)
+
+
 class _Detector(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -85,6 +85,16 @@ def _batch_rows(tree: Any) -> int | None:
     return min(set(sizes), key=lambda n: (-sizes.count(n), n)) if sizes else None
 
 
+def _fewest_rows(tree: Any) -> int | None:
+    """The smallest first dim of the inputs' tensors (one aside) where every batch tensor's first dim is a multiple
+    of it; else None."""
+    inputs = tree[0] if isinstance(tree, (tuple, list)) and len(tree) == 2 else tree
+    sizes = {t.shape[0] for t in optree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.dim() > 0} - {1}
+    every = {t.shape[0] for t in optree.tree_leaves(tree) if isinstance(t, torch.Tensor) and t.dim() > 0} - {1}
+    fewest = min(sizes, default=None)
+    return fewest if fewest is not None and all(n % fewest == 0 for n in every) else None
+
+
 def _refuse_per_row_lists(tree: Any, what: str) -> None:
     """Refuse a list (or tuple) in the batch holding one entry a row: dicts of the same keys whose tensors are not
     the batch's rows (torchvision's and DETR's detection targets, ``[{"boxes": ..., "labels": ...} for each
@@ -138,7 +148,9 @@ def _refuse_other_rows(tree: Any, what: str) -> None:
     pieces, and the loss would be another (the ranks' mean of losses with part of the table each). A multiple is
     several values a row, laid out row by row (Hugging Face's pixel_values of several images a row: LLaVA's), which
     the cut keeps together; a shared table of such a size cannot be told from it, so the cut warns. The rows: the
-    first dim most of the inputs' tensors have (the smaller on a tie)."""
+    first dim most of the inputs' tensors have (the smaller on a tie); where a tensor is neither those nor a multiple,
+    the fewest an input has, if every tensor is a multiple of it (5 captions an image, laid out image by image:
+    pixel_values of 8 beside input_ids of 40), again with a warning."""
     rows = _batch_rows(tree)
     if rows is None:
         return
@@ -163,6 +175,25 @@ def _refuse_other_rows(tree: Any, what: str) -> None:
             UserWarning, stacklevel=2,
         )
     if not others:
+        return
+    fewest = _fewest_rows(tree)
+    if fewest is not None and fewest < rows:
+        sized = [("".join(f"[{k!r}]" for k in path), t.shape[0]) for path, t in zip(paths, leaves, strict=True)
+                 if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != 1]
+        where = next(w for w, n in sized if n == fewest)
+        multiples = [(w, n) for w, n in sized if n != fewest]
+        # Several values a row where the rows are the minority (5 captions an image: pixel_values of 8 beside
+        # input_ids of 40): every tensor a multiple of the fewest, so the cut keeps each row's values together.
+        warnings.warn(
+            f"{what}: the batch's tensors have {fewest} rows ((inputs, targets){where}) or a multiple of them "
+            f"({', '.join(f'(inputs, targets){w} has {n}' for w, n in multiples[:3])}): taken as several values a "
+            "row, laid out row by row (captions per image: the model repeats each image's features for its "
+            f"captions), and cut with the {fewest} rows. If (inputs, targets){where} is instead a table shared by "
+            "every row (prototypes, a memory the model attends over), it would be cut in pieces and the loss be "
+            "another than the single-device step's: keep such a table out of the batch (in loss_fn, a closure, or "
+            "in the model, a buffer); give several values a row the shape (rows, k, ...) to be sure",
+            UserWarning, stacklevel=2,
+        )
         return
     named = ", ".join(f"(inputs, targets){where} has {n}" for where, n in others[:4])
     raise ValueError(
