@@ -256,7 +256,8 @@ class _KeepForBackward(saved_tensors_hooks):
 def run_layer(
     fn: Callable[[Any, Any], Any], tensors: Mapping[str, torch.Tensor], x: Any, policy: Predicate, layer: str = "",
     watch_generators: bool = True, host_draws: bool = True, tagged: Callable[[str], None] | None = None,
-    heard_draws: Callable[[bool], None] | None = None,
+    heard_draws: Callable[[bool], None] | None = None, copy_input: bool = False,
+    wrote_input: Callable[[bool], None] | None = None,
 ) -> Any:
     """``fn(tensors, x)`` with backward recomputing what ``policy`` does not save.
 
@@ -273,7 +274,12 @@ def run_layer(
     its recomputations then start from as its forward did (saving and setting
     numpy's costs about 35 us each: a layer of torch's own skips it). ``heard_draws``
     hears whether the forward drew from them. ``tagged``
-    hears the names of the ``checkpoint_name`` calls a selective policy is asked about.
+    hears the names of the ``checkpoint_name`` calls a selective policy is asked about. ``copy_input``: the
+    region hands ``fn`` a copy of each floating tensor of ``x``, and ``wrote_input`` hears whether ``fn`` wrote
+    into one in place (torchvision's VGG features: ``nn.ReLU(inplace=True)``, a layer of its own). A
+    checkpoint keeps its input to recompute from, so a write into that input itself would leave the
+    recomputation other values (torch refuses it in backward: "modified by an inplace operation"); into a copy
+    made inside the region, made again by each recomputation, it computes what the layer computes without remat.
     """
     observe = current_observer()  # set while the engine's accounting measures what layers keep
     offload = isinstance(policy, OffloadToCpu)
@@ -315,9 +321,15 @@ def run_layer(
                 # that saved otherwise than its forward fails in torch's checkpoint (CheckpointError).
                 watching, guarded = False, True
                 guard = RefuseOwnGenerators(layer, policy)
+            copies: list[torch.Tensor] = []
+            if copy_input:
+                region_x = optree.tree_map(lambda t: _copied(t, copies), region_x, none_is_leaf=True)
+            versions = [c._version for c in copies]
             try:
                 with guard, host.run() if host is not None else contextlib.nullcontext():
                     out = forward_context.run(lambda: fn(region_tensors, region_x))
+                if wrote_input is not None:
+                    wrote_input([c._version for c in copies] != versions)
                 if host is not None and heard_draws is not None:
                     heard_draws(host.drew)  # as its first run, the forward, found (a recomputation: the same)
                 return out
@@ -345,6 +357,15 @@ def run_layer(
             return caching, cached
 
         return checkpoint(region, *leaves, use_reentrant=False, context_fn=context_fn)
+
+
+def _copied(t: Any, copies: list[torch.Tensor]) -> Any:
+    """A copy of a floating tensor (recorded in ``copies``), for a layer that may write into its input; any
+    other leaf as it is."""
+    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
+        return t
+    copies.append(t.clone())
+    return copies[-1]
 
 
 # torch's error when an output selective checkpoint saved was changed before backward read it

@@ -51,6 +51,9 @@ class Remat:
     # Whether its first forward with gradients on real tensors is still to come: that one is watched for state
     # the forward leaves and its recomputation would read (recompute_state.py).
     _state_unwatched: list[bool] = field(default_factory=lambda: [True], repr=False)
+    # Whether its layer writes into its input in place (None: not known until its first forward with gradients):
+    # a checkpoint keeps that input to recompute from, so such a layer is handed a copy (run_layer's copy_input).
+    _writes_input: list[bool | None] = field(default_factory=lambda: [None], repr=False)
     # Its backward runs its forward again: a zero-bubble weight pass takes it whole, not branch by
     # branch (engine/model/split_backward.py: each branch's pass would recompute it again).
     recomputes_in_backward: ClassVar[bool] = True
@@ -62,17 +65,20 @@ class Remat:
         tagged = None if names is None or names.checked else names.tag
         inner = self.policy.policy if isinstance(self.policy, P.OffloadToCpu) else self.policy
         host = self._host_may_draw[0] and not _torch_module_alone(self.fn)
+        copy = grad and self._writes_input[0] is not False
+        writes: dict[str, Any] = {"copy_input": copy, "wrote_input": self._heard_writes if copy else None}
         if isinstance(inner, P.EverythingSaveable):  # (that one recomputes nothing)
             out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=False, host_draws=host,
                             tagged=tagged)
         elif not watch:
             out = self._run(tensors, x, lambda: run_layer(self.fn, tensors, x, self.policy, self.layer,
-                                                          watch_generators=False, host_draws=host, tagged=tagged))
+                                                          watch_generators=False, host_draws=host, tagged=tagged,
+                                                          **writes))
         else:
             with refusing_own_host_generators(self.fn, self.layer, self.policy):
                 out = self._run(tensors, x, lambda: run_layer(
                     self.fn, tensors, x, self.policy, self.layer, watch_generators=True, host_draws=host,
-                    tagged=tagged, heard_draws=self._heard_draws))
+                    tagged=tagged, heard_draws=self._heard_draws, **writes))
             self._unwatched.clear()  # once a watched forward has passed: a refused one is refused again
         if names is not None:
             names.ran_layer(self.layer)
@@ -89,6 +95,9 @@ class Remat:
 
     def _heard_draws(self, drew: bool) -> None:
         self._host_may_draw[0] = drew
+
+    def _heard_writes(self, wrote: bool) -> None:
+        self._writes_input[0] = bool(self._writes_input[0]) or wrote  # once written, always copied
 
     @property
     def __wrapped__(self) -> LayerFn:

@@ -195,6 +195,34 @@ def test_the_same_layers_out_of_place_or_under_nothing_saveable_run_exactly() ->
     _assert_equal(_params_after(remat(step, dots_saveable), params, [batch]), plain)
 
 
+def _vgg_features() -> tuple[sw.Step, Any, list[Any]]:
+    """torchvision's VGG / AlexNet features as written there: ``nn.ReLU(inplace=True)`` a Sequential child of its
+    own, so ``functionalize`` makes it a layer that writes into its input, the conv layer's output."""
+    torch.manual_seed(0)
+    vgg = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(inplace=True), nn.MaxPool2d(2),
+                        nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(inplace=True), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                        nn.Linear(8, 10)).double()
+    chain, params = sw.functionalize(vgg)
+    gen = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 3, 8, 8, generator=gen, dtype=torch.float64), torch.randint(10, (8,), generator=gen))
+               for _ in range(2)]
+    return sw.train_step(chain, F.cross_entropy, sw.optim.sgd(0.1, momentum=0.9)), params, batches
+
+
+@pytest.mark.parametrize("policy", [nothing_saveable, dots_saveable], ids=["nothing", "dots"])
+def test_a_layer_writing_into_its_input_runs_exactly_on_a_copy_made_inside_its_checkpoint(policy: Any) -> None:
+    """Found by session 41's probing: torch's own error in backward ("modified by an inplace operation ... output 0
+    of Relu"), as plain torch's per-child checkpoint gives: the checkpoint keeps the layer's input to recompute
+    from, and the in-place ReLU wrote into it. Each layer's first forward now runs on a copy of its input; the
+    layers that wrote into it are handed one from then on (made again by each recomputation), the others not."""
+    step, params, batches = _vgg_features()
+    rematted = remat(step, policy)
+    _assert_equal(_params_after(rematted, params, batches), _params_after(step, params, batches))
+    writes = {layer.name: layer.fn._writes_input[0] for layer in rematted.chain.layers}  # type: ignore[attr-defined]
+    assert writes == {"0": False, "1": True, "2": False, "3": False, "4": True, "5": False, "6": False, "7": False}
+    sw.testing.assert_equivalent(sw.shard_params(rematted, "dp", 2), step, sw.Mesh(dp=2), batches, params)
+
+
 class _Recurrent(nn.Module):
     """Embedding -> a torch recurrent layer -> Linear: the recurrence one unit."""
 
