@@ -168,6 +168,29 @@ def test_schedule_usage_errors(args: list[str], message: str, in_process: Callab
     assert result.returncode == 2 and message in result.stderr, result.stderr
 
 
+def test_schedule_files_it_cannot_read_or_write_are_usage_errors(
+        tmp_path: Path, in_process: Callable[..., Ran]) -> None:
+    """Found by session 41's probing: a folder that does not exist for --png or --trace, a folder for --trace, and a
+    schedule file that is not text ended in exit 1 with Python's own one-line error (FileNotFoundError,
+    IsADirectoryError, UnicodeDecodeError) and nothing written; now usage errors (exit 2) naming the flag."""
+    binary = tmp_path / "binary.txt"
+    binary.write_bytes(b"\xff\xfe\x00rank 0: 0F0")
+    shape = ["gpipe", "--ranks", "2", "--microbatches", "2"]
+    for args, message in (
+        ([str(binary)], f"schedule file {str(binary)!r} is not text (UTF-8: invalid start byte at byte 0)"),
+        ([*shape, "--png", str(tmp_path / "missing" / "g.png")], f"--png {str(tmp_path / 'missing' / 'g.png')!r}: "
+                                                                  "there is no folder"),
+        ([*shape, "--trace", str(tmp_path / "missing" / "t.json")], "--trace"),
+        ([*shape, "--trace", str(tmp_path)], f"--trace {str(tmp_path)!r} is a folder: name a file in it (e.g. "
+                                             f"{str(tmp_path / 'trace.json')!r})"),
+        ([*shape, "--svg", str(tmp_path)], "--svg"),
+    ):
+        result = in_process("schedule", *args)
+        assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, (
+            args, result.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt"]  # nothing written on the way
+
+
 # -- the mesh grammar and FILE:FUNCTION ------------------------------------------------------------
 def test_mesh_grammar() -> None:
     assert parse_mesh("dp=2,pp=2") == Mesh(dp=2, pp=2)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import math
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -75,6 +76,20 @@ def _number(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
     return value
+
+
+def check_output_file(flag: str, path: str | Path, example: str) -> None:
+    """Refuse a file the command could not write (a folder, a missing or read-only folder), before the work it
+    would be written after; ``example`` is a file name to suggest in a folder."""
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is a folder: name a file in it (e.g. {str(target / example)!r})")
+    folder = target.parent
+    if not folder.is_dir():
+        raise UsageError(f"{flag} {str(path)!r}: there is no folder {str(folder)!r} to write it in; create it "
+                         "or name a file in a folder that exists")
+    if not os.access(folder, os.W_OK):
+        raise UsageError(f"{flag} {str(path)!r}: the folder {str(folder)!r} is not writable; name another")
 
 
 def load_function(target: str) -> Callable[..., Any]:

@@ -17,7 +17,7 @@ from ..transforms.pipeline import (
     validate,
     write_chrome_trace,
 )
-from .arguments import UsageError
+from .arguments import UsageError, check_output_file
 from .report import CommandFailed, Output
 
 HELP = "print a pipeline schedule, its simulated bubble and activation peaks; draw it"
@@ -76,7 +76,13 @@ def load_schedule(args: argparse.Namespace) -> Schedule:
             f"{args.schedule!r} is neither a built-in schedule ({', '.join(sorted(SCHEDULES))}) nor a file"
         )
     try:
-        schedule = Schedule.parse(path.read_text(), name=path.stem)
+        text = path.read_text()
+    except UnicodeDecodeError as err:
+        raise UsageError(f"schedule file {str(path)!r} is not text (UTF-8: {err.reason} at byte {err.start}); "
+                         "a schedule file holds one line of actions per rank, as `shardwise schedule NAME` "
+                         "prints them") from None
+    try:
+        schedule = Schedule.parse(text, name=path.stem)
         validate(schedule)
     except ScheduleError as err:
         raise CommandFailed(f"schedule {str(path)!r} is invalid: {err}") from None
@@ -89,14 +95,18 @@ def load_schedule(args: argparse.Namespace) -> Schedule:
 
 
 def run(args: argparse.Namespace, out: Output) -> int:
+    for flag, example in (("png", "schedule.png"), ("svg", "schedule.svg"), ("trace", "trace.json")):
+        target = getattr(args, flag)
+        if target is not None:  # (refused before the work: a trace of thousands of ranks takes a while)
+            if flag != "trace" and target.suffix.lower() != f".{flag}":
+                raise UsageError(f"--{flag} {str(target)!r}: the file name must end in .{flag}")
+            check_output_file(f"--{flag}", target, example)
     schedule = load_schedule(args)
     timeline = simulate(schedule)
     drawn: dict[str, str] = {}
     for kind in ("png", "svg"):
         target = getattr(args, kind)
         if target is not None:
-            if target.suffix.lower() != f".{kind}":
-                raise UsageError(f"--{kind} {str(target)!r}: the file name must end in .{kind}")
             try:
                 drawn[kind] = str(gantt(timeline, target))
             except ImportError as err:

@@ -5,14 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
 from ..engine.simulate.costs import CommModel
 from ..plan_search import FlopCompute, Space, params_per_layer, parse_bytes, plot_frontier, search
 from ..plan_search.compute import batch_size
-from .arguments import UsageError, load_function
+from .arguments import UsageError, check_output_file, load_function
 from .report import CommandFailed
 
 HELP = "search the parallel layouts of a step: ranked by simulated time, bounded by memory"
@@ -102,14 +101,7 @@ def _check_plot(path: str | None) -> None:
     """Refuse a --plot the search could not write, before the search (minutes on a large model) runs."""
     if path is None:
         return
-    if Path(path).is_dir():
-        raise UsageError(f"--plot {path!r} is a folder: name a file in it (e.g. {str(Path(path) / 'frontier.png')!r})")
-    folder = Path(path).parent
-    if not folder.is_dir():
-        raise UsageError(f"--plot {path!r}: there is no folder {str(folder)!r} to write it in; create it "
-                         "or name a file in a folder that exists")
-    if not os.access(folder, os.W_OK):
-        raise UsageError(f"--plot {path!r}: the folder {str(folder)!r} is not writable; name another")
+    check_output_file("--plot", path, "frontier.png")
     suffix = Path(path).suffix.lstrip(".").lower()
     try:
         from matplotlib.backend_bases import FigureCanvasBase
