@@ -636,7 +636,8 @@ def test_a_tuple_of_a_batchs_parts_is_no_per_row_list_at_a_batch_of_two() -> Non
 
 
 def test_two_views_of_the_batch_as_dicts_are_cut_as_rows_on_a_batch_of_two() -> None:
-    """A tuple of two dicts beside two rows, each holding the rows' tensors, is no list of one entry a row."""
+    """A tuple of two dicts beside two rows, each holding the rows' tensors, is cut as two views of the batch; since
+    one dict a row with two values each looks the same, the cut says what it took it for."""
     torch.manual_seed(0)
     chain, params = sw.functionalize(_TwoViews().double())
     step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
@@ -644,7 +645,30 @@ def test_two_views_of_the_batch_as_dicts_are_cut_as_rows_on_a_batch_of_two() -> 
     batches = [(({"x": torch.randn(2, 5, generator=gen, dtype=torch.float64)},
                  {"x": torch.randn(2, 5, generator=gen, dtype=torch.float64)}),
                 torch.randn(2, 3, generator=gen, dtype=torch.float64)) for _ in range(2)]
-    sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+    with pytest.warns(UserWarning, match=r"\(inputs, targets\)\[0\] is a tuple of 2 dicts of the same keys beside 2 "
+                      r"rows.*taken as 2 views of the batch.*If it is instead one entry a row"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
+
+
+def test_per_row_targets_with_as_many_boxes_as_rows_are_cut_with_a_warning() -> None:
+    """Found by session 41's probing: detection targets of 4 boxes an image at a batch of 4 pass the per-row list
+    check unseen (every tensor has the rows' count). The shapes cannot tell them from 4 views of the batch, so the cut
+    now warns, naming the list; here the loss probe then refuses the mis-cut loss too (it is caught only where the
+    probe's rows show it)."""
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(_Detector().double())
+
+    def loss(pred: torch.Tensor, targets: list[dict[str, torch.Tensor]]) -> torch.Tensor:  # zip as torchvision's
+        return torch.stack([((p - t["boxes"]) ** 2).mean() for p, t in zip(pred, targets)]).mean()  # noqa: B905
+
+    step = sw.train_step(chain, loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(4, 3, 4, generator=gen, dtype=torch.float64),
+                [{"boxes": torch.randn(4, 4, generator=gen, dtype=torch.float64),
+                  "labels": torch.zeros(4, dtype=torch.long)} for _ in range(4)]) for _ in range(2)]
+    with pytest.warns(UserWarning, match=r"\(inputs, targets\)\[1\] is a list of 4 dicts.*detection targets"), \
+            pytest.raises(sw.collectives.RankFailed, match="loss_fn is not a mean over the batch's rows"):
+        sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
 
 
 class _ScaledInput(torch.nn.Module):

@@ -100,13 +100,15 @@ def _refuse_per_row_lists(tree: Any, what: str) -> None:
     the batch's rows (torchvision's and DETR's detection targets, ``[{"boxes": ..., "labels": ...} for each
     image]``). The cut takes dim 0 of every tensor, not a list's entries: each part would get every row's entry,
     each cut in pieces (the second rank pairing its images with the first's targets), and where every entry's length
-    is a multiple of the parts no size check sees it. Not seen: entries whose tensors all have as many values as the
-    batch has rows (4 boxes an image at a batch of 4, by chance), and a list of bare tensors (a tuple of a batch's
-    parts, input_ids beside pixel_values, looks alike at a batch of 2)."""
+    is a multiple of the parts no size check sees it. Entries whose tensors all have as many values as the batch has
+    rows (4 boxes an image at a batch of 4, by chance) look like views of the batch (two augmented views at a batch of
+    2): cut as views, with a warning. Not seen: a list of bare tensors (a tuple of a batch's parts, input_ids beside
+    pixel_values, looks alike at a batch of 2)."""
     rows = _batch_rows(tree)
     if rows is None or rows < 2:
         return
     found: list[tuple[str, str]] = []
+    alike: list[tuple[str, str]] = []  # records whose tensors all have the rows: views of the batch, or by chance
 
     def visit(path: str, node: Any, top: bool) -> None:
         if isinstance(node, Mapping):
@@ -125,10 +127,24 @@ def _refuse_per_row_lists(tree: Any, what: str) -> None:
             if not top and len(entries) == rows and own_sizes and records:
                 found.append((path, type(node).__name__))
                 return
+            if not top and len(entries) == rows and records and leaves:
+                alike.append((path, type(node).__name__))
             for i, value in enumerate(entries):
                 visit(f"{path}[{i}]", value, False)
 
     visit("", tree, True)
+    if alike and not found:
+        path, container = alike[0]
+        warnings.warn(
+            f"{what}: (inputs, targets){path} is a {container} of {rows} dicts of the same keys beside {rows} rows, "
+            f"and every tensor in them has {rows} rows too: taken as {rows} views of the batch (each dict the rows' "
+            "tensors, as two augmented views in contrastive learning), each cut along its rows. If it is instead "
+            "one entry a row (detection targets, [{'boxes': ..., 'labels': ...} for each image], each with as many "
+            "boxes as the batch has rows by chance), each part would get every row's entry cut in pieces and the "
+            "loss would be another than the single-device step's: give per-row values as tensors with the rows "
+            "first, padded to one number a row",
+            UserWarning, stacklevel=3,
+        )
     if found:
         path, container = found[0]
         raise ValueError(
