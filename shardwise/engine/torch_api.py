@@ -364,6 +364,7 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self._held: dict[int, Any] = {}
+        self._fresh_zeros: tuple[int, int] | None = None  # (storage id, bytes) of the last op's zeros, if it made some
 
     def add(self, nbytes: int) -> None:
         """Count ``nbytes`` more (fewer, if negative) as alive from now on: storages made before the block."""
@@ -389,10 +390,21 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        fresh, self._fresh_zeros = self._fresh_zeros, None
         if _returns_new(func):  # (a view's or an in-place op's result is a storage made before, or not ours)
+            # torch's backward formulas write into zeros they just made in place on real tensors (gather's:
+            # new_zeros, then scatter_add_), and out of place on a tensor subclass or under a dispatch mode, this one
+            # included (areAnyTensorSubclassLike): the result replaces the zeros, freed as the formula returns, where
+            # a run without a mode makes one tensor. Counted as that one (a vocabulary-parallel loss: 8 MiB over).
+            replaced = (fresh[1] if fresh is not None and func in _FUNCTIONAL_INTO_ZEROS and args
+                        and isinstance(args[0], torch.Tensor) and id(args[0].untyped_storage()) == fresh[0] else 0)
+            self.live -= replaced
             for t in optree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     self.hold(t)
+            self.live += replaced
+            if func in _ZEROS and isinstance(out, torch.Tensor):
+                self._fresh_zeros = (id(out.untyped_storage()), out.untyped_storage().nbytes())
         unreduced = _UNREDUCED.get(func)
         if unreduced is not None and (func not in _REDUCING or _reduction(func, args, kwargs or {}) != 0):
             # Its kernel makes temporaries of its input's size beside its result (an elementwise loss before it
@@ -401,6 +413,17 @@ class LiveBytes(TorchDispatchMode):
             self.peak = max(self.peak, self.live + unreduced * largest)
         return out
 
+
+aten = torch.ops.aten
+# The ops that make zeros a backward formula then writes into, and the out-of-place forms of those writes that it
+# takes on a tensor subclass (torch/csrc/autograd/FunctionsManual.cpp: gather_backward, index_select_backward,
+# slice_backward and the others that ask areAnyTensorSubclassLike).
+_ZEROS = frozenset({aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default})
+_FUNCTIONAL_INTO_ZEROS = frozenset({
+    aten.scatter_add.default, aten.scatter.src, aten.scatter.value, aten.index_add.default, aten.index_put.default,
+    aten.masked_scatter.default, aten.slice_scatter.default, aten.select_scatter.default,
+    aten.diagonal_scatter.default, aten.as_strided_scatter.default, aten.index_copy.default,
+})
 
 # Loss kernels that allocate temporaries of their input's size inside (their unreduced elementwise loss, under
 # ``reduction`` mean or sum), how many, which a fake kernel does not show: measured on torch 2.13's CPU kernels, the
