@@ -102,6 +102,10 @@ class KeptParts(NamedTuple):
     # them they are counted there, from its forward to its backward, which the ReLU's result outlives. Then the
     # bytes of its output's gradient (its output's leaves that need one), which its backward reads.
     kept_outputs: Mapping[str, tuple[int, int, int]] = MappingProxyType({})
+    # With ``split=True``, per layer: the part of ``recorded`` that is its output's gradient itself (a weight's
+    # branch leaving at the output, or behind ops that pass the gradient on as it is: a residual add), which the
+    # backward's figures count at the input pass already (the loss's, a stage's ``in_backward``).
+    recorded_output: Mapping[str, int] = MappingProxyType({})
 
     def totals(self) -> dict[str, int]:
         return {name: n + sum(self.batch[name].values()) for name, n in self.own.items()}
@@ -126,6 +130,7 @@ def kept_parts(
     ``in_backward`` too, from a run of its backward (on fake tensors only)."""
     own: dict[str, int] = {}
     recorded: dict[str, int] = {}
+    recorded_output: dict[str, int] = {}
     in_backward: dict[str, int] = {}
     backward_unknown: list[str] = []
     kept_outputs: dict[str, tuple[int, int, int]] = {}
@@ -154,7 +159,8 @@ def kept_parts(
         key = None if base is None or layer.name == last else (base, around)
         found = None if memo is None or key is None else memo.lookup(key, x)
         if found is not None:  # a layer like one run before, on an input like its: it keeps alike
-            y, (own[layer.name], kept_inputs, recorded[layer.name], its_backward, (out_leaves, in_leaves)) = found
+            y, (own[layer.name], kept_inputs, (recorded[layer.name], recorded_output[layer.name]), its_backward,
+                (out_leaves, in_leaves)) = found
             if backward:
                 in_backward[layer.name] = its_backward
                 x_leaves, y_leaves = optree.tree_leaves(x, none_is_leaf=True), optree.tree_leaves(y, none_is_leaf=True)
@@ -187,11 +193,13 @@ def kept_parts(
                 layer = dataclasses.replace(layer, buffers=real(dict(layer.buffers)))
                 with torch.enable_grad(), observing(kept.append):
                     y = layer(local, x_real)
-                recorded[layer.name] = _recorded_bytes(y, x_real, local, layer.fn) if split else 0
+                recorded[layer.name], recorded_output[layer.name] = (
+                    _recorded_bytes(y, x_real, local, layer.fn) if split else (0, 0))
                 y = _cut(y)  # real leaves: the next layer runs on fake tensors again
         else:
             memo_ok = True
-            recorded[layer.name] = _recorded_bytes(y, x, local, layer.fn) if split else 0
+            recorded[layer.name], recorded_output[layer.name] = (
+                _recorded_bytes(y, x, local, layer.fn) if split else (0, 0))
         outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor)]
         resident = {storage_key(t) for t in [*local.values(), *layer.buffers.values()]}
         if layer.name != last:
@@ -221,7 +229,8 @@ def kept_parts(
         if key is not None and memo is not None and memo_ok:
             kept_inputs = _as_input_leaves(x, of_batch[layer.name])
             if kept_inputs is not None:
-                memo.store(key, x, y, (own[layer.name], kept_inputs, recorded[layer.name],
+                records = (recorded[layer.name], recorded_output[layer.name])
+                memo.store(key, x, y, (own[layer.name], kept_inputs, records,
                                        in_backward.get(layer.name, 0), leaf_pattern if backward else ({}, {})),
                            keep=layer.fn)
         x = _cut(y)
@@ -231,7 +240,7 @@ def kept_parts(
         targets_storages = {storage_key(t) for t in optree.tree_leaves(targets) if isinstance(t, torch.Tensor)}
         held_by_loss = loss_memory(loss_fn, x, targets, batch | targets_storages | set(outputs_kept))
     return KeptParts(own, of_batch, tuple(stand_ins), recorded, held_by_loss, in_backward, tuple(backward_unknown),
-                     kept_outputs)
+                     kept_outputs, recorded_output)
 
 
 def _grad_bytes(y: Any) -> int:
@@ -253,19 +262,22 @@ def _batch_value(given: Mapping[int, tuple[torch.Tensor, torch.Tensor]], t: Any)
     return entry[1] if entry is not None and entry[0] is t else t
 
 
-def _recorded_bytes(y: Any, x: Any, local: Mapping[str, torch.Tensor], fn: Any) -> int:
+def _recorded_bytes(y: Any, x: Any, local: Mapping[str, torch.Tensor], fn: Any) -> tuple[int, int]:
     """Bytes of the gradients an input pass records for the weight pass on this layer's graph (each
-    storage once), seeded with gradients of the outputs' shapes; none for a layer that recomputes in
-    its backward (its weight pass is taken whole)."""
+    storage once), seeded with gradients of the outputs' shapes, and of those the seeds themselves (the
+    output's gradient, recorded as it came); none for a layer that recomputes in its backward (its weight
+    pass is taken whole)."""
     outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.requires_grad]
     inputs = [t for t in optree.tree_leaves(x) if isinstance(t, torch.Tensor) and t.requires_grad]
     weights = [t for t in local.values() if t.requires_grad]
     if not outputs or not inputs or not weights or recomputes([fn]):
-        return 0
-    _, part = input_part(outputs, [torch.ones_like(o) for o in outputs], inputs, weights)
+        return 0, 0
+    seeds = [torch.ones_like(o) for o in outputs]
+    _, part = input_part(outputs, seeds, inputs, weights)
     sizes = {storage_key(g): g.untyped_storage().nbytes()
              for group in part.groups for got in group.grads for g in got or () if g is not None}
-    return sum(sizes.values())
+    seeded = {storage_key(t) for t in seeds}
+    return sum(sizes.values()), sum(n for key, n in sizes.items() if key in seeded)
 
 
 def _backward_peak(

@@ -633,7 +633,9 @@ class _Kept(NamedTuple):
     ``in_backward``, the most a stage's backward holds beyond that and its weights' gradients (the gradients
     of its intermediates, a recomputation's activations: remat's); ``loss``, what the loss holds;
     ``stand_ins``, the layers that ran on stand-ins; ``backward_unknown``, those whose backward could not run
-    on fake tensors."""
+    on fake tensors; ``recorded``, per stage, the gradients a zero-bubble input pass records for the weight pass
+    (0 where the backward is not split), held from its I to its W; ``recorded_output``, the part of it that is
+    the stage's output's gradient, which the I's level counts already (the loss's gradients, ``in_backward``)."""
 
     per_rank: tuple[int, ...]
     held: list[int]
@@ -642,6 +644,8 @@ class _Kept(NamedTuple):
     loss: LossMemory
     stand_ins: tuple[str, ...]
     backward_unknown: tuple[str, ...]
+    recorded: list[int]
+    recorded_output: list[int]
 
 
 def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -> tuple[list[int], list[int]]:
@@ -651,13 +655,15 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
     inputs), the batch's storages from the first forward that keeps them to the step's end, the loss's
     kept bytes from the loss to the last stage's backward of that micro-batch, and ``loss.extra`` at the
     loss and at that backward, which starts from the loss (the output's gradient is made there); a stage's
-    ``in_backward`` at its backward, after the loss's there."""
+    ``in_backward`` at its backward, after the loss's there; a zero-bubble input pass's records from that
+    I to its W (they are made there: counted from the forward, zb_h1's last rank was planned 1.18x its
+    measured peak)."""
     live = loss_live = 0
     of_batch: dict[int, int] = {}
     pending: set[int] = set()  # the micro-batches whose loss ran and whose last stage's backward has not
     levels, loss_levels = [], []
     for action in actions:
-        extra, after, loss_extra = 0, 0, 0
+        extra, after, loss_extra, later = 0, 0, 0, 0
         if action.kind == FORWARD:
             s = action.require("stage")
             live += kept.held[s]
@@ -672,6 +678,11 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
             s = action.require("stage")
             last = s == placement.last and action.mb in pending
             extra = kept.in_backward[s]
+            if action.kind == BACKWARD_INPUT:  # made by this pass, held to the W
+                later = kept.recorded_output[s]  # (at the I, its gradients' figures count it)
+                live += kept.recorded[s] - later
+            elif action.kind == BACKWARD_WEIGHT:
+                after += kept.recorded[s]
             if last and action.kind != BACKWARD_WEIGHT:
                 # First the loss's backward, beside all it keeps; then the layers', the output's gradient held and
                 # the loss's kept bytes freed (a zero-bubble input pass keeps its graph, theirs too, for the W).
@@ -679,13 +690,13 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
                 extra = max(kept.loss.extra, kept.loss.grads - freed + extra)
                 loss_extra = max(kept.loss.extra, kept.loss.grads - freed)
             if action.kind != BACKWARD_INPUT:
-                after = kept.held[s]
+                after += kept.held[s]
                 if last:
                     pending.discard(action.mb)
                     loss_live -= kept.loss.kept
         levels.append(live + sum(of_batch.values()) + loss_live + extra)
         loss_levels.append(loss_live + loss_extra)
-        live -= after
+        live += later - after
     return levels, loss_levels
 
 
@@ -729,12 +740,17 @@ def _kept_per_rank(
     # this rank, keeps it as its input, that one counted it already from its forward to its backward (within).
     # A ReLU's result between two Linears was counted only to the second one's backward (a plain MLP's Plan 0.78
     # of its measured peak).
-    held = [per_stage[s] + sum(parts.kept_outputs.get(n, (0, 0, 0))[0]
+    recorded = [sum(parts.recorded.get(n, 0) for n in layers) if s > 0 else 0
+                for s, layers in enumerate(placement.stages)]
+    recorded_output = [parts.recorded_output.get(layers[-1], 0) if s > 0 else 0
+                       for s, layers in enumerate(placement.stages)]
+    held = [per_stage[s] - recorded[s] + sum(parts.kept_outputs.get(n, (0, 0, 0))[0]
                                - (parts.kept_outputs.get(n, (0, 0, 0))[1]
                                   if i > 0 or (s > 0 and placement.stage_rank[s - 1] == placement.stage_rank[s]) else 0)
                                for i, n in enumerate(layers))
             for s, layers in enumerate(placement.stages)]
-    return _Kept(per_rank, held, in_backward, parts.batch, parts.loss, parts.stand_ins, parts.backward_unknown)
+    return _Kept(per_rank, held, in_backward, parts.batch, parts.loss, parts.stand_ins, parts.backward_unknown,
+                 recorded, recorded_output)
 
 
 def _batch_bytes(of_batch: Mapping[str, Mapping[int, int]], layers: Sequence[str]) -> int:
