@@ -279,7 +279,9 @@ def run_layer(
     into one in place (torchvision's VGG features: ``nn.ReLU(inplace=True)``, a layer of its own). A
     checkpoint keeps its input to recompute from, so a write into that input itself would leave the
     recomputation other values (torch refuses it in backward: "modified by an inplace operation"); into a copy
-    made inside the region, made again by each recomputation, it computes what the layer computes without remat.
+    made inside the region, made again by each recomputation, it computes what the layer computes without remat
+    (tensors of one storage copied as one: ``_copied_inputs``). Without ``copy_input``, a write into ``x`` that
+    ``wrote_input`` watches for is refused, naming the layer (torch's refusal would come in backward, unnamed).
     """
     observe = current_observer()  # set while the engine's accounting measures what layers keep
     offload = isinstance(policy, OffloadToCpu)
@@ -321,15 +323,19 @@ def run_layer(
                 # that saved otherwise than its forward fails in torch's checkpoint (CheckpointError).
                 watching, guarded = False, True
                 guard = RefuseOwnGenerators(layer, policy)
-            copies: list[torch.Tensor] = []
             if copy_input:
-                region_x = optree.tree_map(lambda t: _copied(t, copies), region_x, none_is_leaf=True)
-            versions = [c._version for c in copies]
+                region_x, watched = _copied_inputs(region_x)
+            else:  # (a layer whose first forward wrote nothing: a later write is refused, naming it)
+                watched = _floating(region_x) if wrote_input is not None else []
+            versions = [c._version for c in watched]
             try:
                 with guard, host.run() if host is not None else contextlib.nullcontext():
                     out = forward_context.run(lambda: fn(region_tensors, region_x))
                 if wrote_input is not None:
-                    wrote_input([c._version for c in copies] != versions)
+                    wrote = [c._version for c in watched] != versions
+                    wrote_input(wrote)
+                    if wrote and not copy_input:
+                        raise RuntimeError(_written_later_message(layer, policy))
                 if host is not None and heard_draws is not None:
                     heard_draws(host.drew)  # as its first run, the forward, found (a recomputation: the same)
                 return out
@@ -359,13 +365,51 @@ def run_layer(
         return checkpoint(region, *leaves, use_reentrant=False, context_fn=context_fn)
 
 
-def _copied(t: Any, copies: list[torch.Tensor]) -> Any:
-    """A copy of a floating tensor (recorded in ``copies``), for a layer that may write into its input; any
-    other leaf as it is."""
-    if not isinstance(t, torch.Tensor) or not (t.is_floating_point() or t.is_complex()):
-        return t
-    copies.append(t.clone())
-    return copies[-1]
+def _floating(x: Any) -> list[torch.Tensor]:
+    return [t for t in optree.tree_leaves(x, none_is_leaf=True)
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())]
+
+
+def _copied_inputs(x: Any) -> tuple[Any, list[torch.Tensor]]:
+    """``x`` with each floating tensor a copy, for a layer that may write into its input, and the copies. Tensors
+    of one storage (``(h, h)``, ``h`` beside a view of it) stay one: one copy of the tensor that spans the storage,
+    the others views of it as they were of the original, so that a write into one shows in the others as it did.
+    Where none spans it (two slices of a tensor the layer is not given), they are left as they are: a write then
+    fails in backward, as without the copy, rather than be seen in one and not the other."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for t in _floating(x):
+        groups.setdefault(storage_key(t), []).append(t)
+    replaced: dict[int, torch.Tensor] = {}
+    copies: list[torch.Tensor] = []
+    for members in groups.values():
+        whole = next((t for t in members if _spans_storage(t)), None)
+        if whole is None:
+            if len(members) == 1:
+                replaced[id(members[0])] = members[0].clone()
+                copies.append(replaced[id(members[0])])
+            continue
+        copy = whole.clone()
+        copies.append(copy)
+        for t in members:
+            replaced[id(t)] = copy if t is whole else copy.as_strided(t.size(), t.stride(), t.storage_offset())
+    return optree.tree_map(lambda t: replaced.get(id(t), t), x, none_is_leaf=True), copies
+
+
+def _spans_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is its storage's whole, laid out contiguously from its start (its clone is laid out alike)."""
+    return (t.storage_offset() == 0 and t.is_contiguous()
+            and t.numel() * t.element_size() == t.untyped_storage().nbytes())
+
+
+def _written_later_message(layer: str, policy: Any) -> str:
+    name = f"layer {layer!r}" if layer else "a layer"
+    return (
+        f"remat({policy!r}): {name} wrote into its input in place on this call, though its first forward did not (a "
+        "write on some batches only, x.clamp_() when a value is out of range?): its checkpoint keeps that input to "
+        "recompute from, and the write changed it, so the backward would recompute from other values. Write it out "
+        "of place (x = x.clamp(...)), or leave the layer out of remat (remat(..., layers=[...]) without it); its "
+        "next calls run on a copy of their input"
+    )
 
 
 # torch's error when an output selective checkpoint saved was changed before backward read it

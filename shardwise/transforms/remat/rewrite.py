@@ -66,7 +66,7 @@ class Remat:
         inner = self.policy.policy if isinstance(self.policy, P.OffloadToCpu) else self.policy
         host = self._host_may_draw[0] and not _torch_module_alone(self.fn)
         copy = grad and self._writes_input[0] is not False
-        writes: dict[str, Any] = {"copy_input": copy, "wrote_input": self._heard_writes if copy else None}
+        writes: dict[str, Any] = {"copy_input": copy, "wrote_input": self._heard_writes if grad else None}
         if isinstance(inner, P.EverythingSaveable):  # (that one recomputes nothing)
             out = run_layer(self.fn, tensors, x, self.policy, self.layer, watch_generators=False, host_draws=host,
                             tagged=tagged)
