@@ -164,9 +164,9 @@ def _refuse_other_rows(tree: Any, what: str) -> None:
     pieces, and the loss would be another (the ranks' mean of losses with part of the table each). A multiple is
     several values a row, laid out row by row (Hugging Face's pixel_values of several images a row: LLaVA's), which
     the cut keeps together; a shared table of such a size cannot be told from it, so the cut warns. The rows: the
-    first dim most of the inputs' tensors have (the smaller on a tie); where a tensor is neither those nor a multiple,
-    the fewest an input has, if every tensor is a multiple of it (5 captions an image, laid out image by image:
-    pixel_values of 8 beside input_ids of 40), again with a warning."""
+    first dim most of the inputs' tensors have (the smaller on a tie). Where the fewest an input has divides every
+    tensor's, they may be the rows instead (5 captions an image, laid out image by image: pixel_values of 8 beside
+    input_ids of 40) as surely as a shared table (10 prototypes beside 40 rows): refused, naming both readings."""
     rows = _batch_rows(tree)
     if rows is None:
         return
@@ -194,23 +194,23 @@ def _refuse_other_rows(tree: Any, what: str) -> None:
         return
     fewest = _fewest_rows(tree)
     if fewest is not None and fewest < rows:
+        # The fewest an input has divides every tensor's: either those are a table shared by the rows (class
+        # weights, prototypes) or they are the rows, the others several values a row laid out row by row (5
+        # captions an image). The shapes cannot tell: cut either way, the other would train another model.
         sized = [("".join(f"[{k!r}]" for k in path), t.shape[0]) for path, t in zip(paths, leaves, strict=True)
                  if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] != 1]
-        where = next(w for w, n in sized if n == fewest)
-        multiples = [(w, n) for w, n in sized if n != fewest]
-        # Several values a row where the rows are the minority (5 captions an image: pixel_values of 8 beside
-        # input_ids of 40): every tensor a multiple of the fewest, so the cut keeps each row's values together.
-        warnings.warn(
-            f"{what}: the batch's tensors have {fewest} rows ((inputs, targets){where}) or a multiple of them "
-            f"({', '.join(f'(inputs, targets){w} has {n}' for w, n in multiples[:3])}): taken as several values a "
-            "row, laid out row by row (captions per image: the model repeats each image's features for its "
-            f"captions), and cut with the {fewest} rows. If (inputs, targets){where} is instead a table shared by "
-            "every row (prototypes, a memory the model attends over), it would be cut in pieces and the loss be "
-            "another than the single-device step's: keep such a table out of the batch (in loss_fn, a closure, or "
-            "in the model, a buffer); give several values a row the shape (rows, k, ...) to be sure",
-            UserWarning, stacklevel=2,
+        few = [w for w, n in sized if n == fewest]
+        named = ", ".join(f"(inputs, targets){w}" for w in few[:4])
+        raise ValueError(
+            f"{what}: {named} {'has' if len(few) == 1 else 'have'} {fewest} beside {rows} rows in the inputs, and "
+            f"{rows} is a multiple of {fewest}: the batch's rows cannot be told from its shapes. Either {named} is a "
+            "value shared by every row (a table of class prototypes, class weights), which does not belong in the "
+            "batch (every batch tensor is cut along dim 0 with the rows: each part would get a piece of it): keep it "
+            f"in loss_fn (a closure) or in the model (a buffer); or it holds the batch's {fewest} rows and the other "
+            f"tensors {rows // fewest} values a row, laid out row by row ({rows // fewest} captions an image): give "
+            f"those the shape ({fewest}, {rows // fewest}, ...) (t.view({fewest}, {rows // fewest}, *t.shape[1:])) "
+            "and the cut keeps each row's values together"
         )
-        return
     named = ", ".join(f"(inputs, targets){where} has {n}" for where, n in others[:4])
     raise ValueError(
         f"{what}: a batch tensor's first dim is neither the batch's rows nor a multiple of them: {named} beside "
