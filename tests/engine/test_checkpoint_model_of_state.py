@@ -42,7 +42,8 @@ def _trained(step: Any, params: Any) -> Any:
     return state
 
 
-REFUSED = r"made for another model than this step's: buffer or frozen parameter '0\.bias' differs \(4 of its 4"
+REFUSED = (r"made for another model than this step's \(by the step that made it, or last stepped it\): buffer or "
+           r"frozen parameter '0\.bias' differs \(4 of its 4")
 
 
 def test_a_state_saved_with_another_models_step_is_refused_and_nothing_is_written(tmp_path: Path) -> None:
@@ -142,3 +143,28 @@ def test_every_rank_refuses_alike_under_zero3(tmp_path: Path) -> None:
     assert len(outcomes) == 2 and all("made for another model" in o for o in outcomes), outcomes
     assert not (tmp_path / "ck").exists()
     assert sw.launch(functools.partial(_save_on_ranks, zero_a, zero_a, params_a, tmp_path / "ok"), 2) == ["saved"] * 2
+
+
+def test_a_state_stepped_by_another_models_step_is_that_models() -> None:
+    """The review: a state made by A's init and stepped by B (which accepts a state of its shapes) was saved with A,
+    writing A's frozen bias beside weights trained against B's, and refused with B. The step that last stepped it
+    names the model now."""
+    step_a, params_a = _step(_module(0, frozen=1.0))
+    step_b, _ = _step(_module(1, frozen=-5.0))
+    state = step_a.init(params_a)
+    for _ in range(2):
+        state, _ = step_b(state, BATCH)
+    assert sw.checkpoint.full_state_dict(step_b, state)["0.bias"].tolist() == [-5.0] * 4
+    with pytest.raises(ValueError, match=REFUSED):
+        sw.checkpoint.full_state_dict(step_a, state)
+
+
+def test_a_nan_in_a_buffer_is_the_same_nan_in_the_same_module_functionalized_again(tmp_path: Path) -> None:
+    """The review: a persistent buffer holding NaN (a running statistic not yet seen) made a copy of the model, or
+    the same module functionalized again, count as another model (NaN != NaN)."""
+    module = _module(0, frozen=1.0)
+    module.register_buffer("seen", torch.tensor([float("nan"), 1.0]))
+    step, params = _step(module)
+    state = _trained(step, params)
+    for i, other in enumerate((_step(module)[0], _step(copy.deepcopy(module))[0])):
+        sw.checkpoint.save(tmp_path / f"ck{i}", state, other)

@@ -4,7 +4,8 @@ state of another model of the same shapes (a teacher's state with the student's 
 sweep), ``save`` would write one model's trained weights beside the other's frozen ones, and the
 checkpoint would load without complaint into a model that computes neither.
 
-The state's layout names the chain it was made for (``StateLayout.model``). Another chain whose
+The state's layout names the chain it was made for (``StateLayout.model``: the step's whose init or load made it,
+or whose call last returned it, run_inputs.py). Another chain whose
 persistent buffers and frozen parameters hold the same values writes the same checkpoint (the same
 module functionalized again, whose tensors are the module's own, or a copy of it): only one whose values
 differ is refused. A layout whose chain is gone, or that was pickled, names none, and is not checked.
@@ -47,17 +48,21 @@ def _differs(mine: torch.Tensor, its: torch.Tensor) -> str | None:
         return None
     if mine.shape != its.shape or mine.dtype != its.dtype:
         return f"the state's model holds a {its.dtype} {list(its.shape)}, this step's a {mine.dtype} {list(mine.shape)}"
-    if torch.equal(mine, its.to(mine.device)):
+    its = its.to(mine.device)
+    same = mine == its
+    if mine.is_floating_point() or mine.is_complex():
+        same |= mine.isnan() & its.isnan()  # (a NaN in a buffer is the same NaN in a copy)
+    if bool(same.all()):
         return None
-    count = int((mine != its.to(mine.device)).sum())
-    return f"{count} of its {mine.numel()} values differ"
+    return f"{int((~same).sum())} of its {mine.numel()} values differ"
 
 
 def _refusal(key: str, difference: str) -> str:
     return (
-        f"this TrainState was made for another model than this step's: buffer or frozen parameter {key!r} "
+        f"this TrainState was made for another model than this step's (by the step that made it, or last stepped "
+        f"it): buffer or frozen parameter {key!r} "
         f"differs ({difference}). A checkpoint (and a state_dict) takes the buffers and frozen "
         "(requires_grad=False) parameters from the step and the trained parameters from the state, so it would "
         "hold two models' weights; pass "
-        "the step that made the state (the one whose init or call returned it, or a load into it)"
+        "the step that made the state (the one whose init or last call returned it, or a load into it)"
     )

@@ -332,12 +332,12 @@ class ModelTag:
     known there, and nothing is checked)."""
 
     def __init__(self, chain: Chain | None = None) -> None:
-        self._ref = None if chain is None else weakref.ref(chain)
+        self.ref = None if chain is None else weakref.ref(chain)  # (read inline on the step's hot path)
 
     @property
     def chain(self) -> Chain | None:
         """The chain, while it lives; else None."""
-        return None if self._ref is None else self._ref()
+        return None if self.ref is None else self.ref()
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
         return ModelTag, ()  # a tag travels empty: a weak reference does not pickle

@@ -11,6 +11,7 @@ and the metrics.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import threading
@@ -28,7 +29,7 @@ from ..layout.in_flight import InFlightParams
 from ..layout.precision import StaticLossScale
 from ..layout.sharding import FlatSharding
 from ..layout.state import TrainState
-from ..layout.state_layout import StateLayout, unit_names
+from ..layout.state_layout import ModelTag, StateLayout, unit_names
 from ..model.batch_loss_terms import own_loss_refused
 from ..model.given_params import given_of
 from ..model.whole_batch import called_modules
@@ -432,10 +433,16 @@ def finish_run(step: Step, state: TrainState, prepared: PreparedRun) -> tuple[Tr
         if sorted(outcome["updated"]) != sorted(keys):
             raise RuntimeError(f"the update by buckets covered units {outcome['updated']}, not this rank's {keys}")
         outcome["opt_state"] = join_parts(outcome["opt_parts"], keys)
+    layout = state.layout
+    ref, base = layout.model.ref, step.chain if step.source_chain is None else step.source_chain  # (no calls: hot path)
+    if ref is None or ref() is not base:
+        # Stepped by another step than its layout's (another model's, on a state of the same shapes): trained with
+        # this step's buffers and frozen parameters now, its checkpoint is this model's (checkpoint/model_of_state).
+        layout = dataclasses.replace(layout, model=ModelTag(step.base_chain))
     new_state = state._replace(
-        params=_next_params(state.layout.sharding, executor),
+        params=_next_params(layout.sharding, executor),
         opt_state=outcome["opt_state"], step=state.step + 1,
-        loss_scale=prepared.outcome["loss_scale"],
+        loss_scale=prepared.outcome["loss_scale"], layout=layout,
     )
     return new_state, metrics
 

@@ -141,10 +141,12 @@ def note_returned(step: Step, given: TrainState, state: TrainState) -> None:
     accepted for this call alone whose layout the update changed. Nothing is done otherwise (one attribute
     read)."""
     memo: StateMemo = step.state_memo
-    if not memo.follows_returns or not isinstance(state.layout, StateLayout):
+    if not memo.follows_returns or not isinstance(given.layout, StateLayout):
         return
     mesh = state.mesh
-    known = memo.get(id(state.layout) if mesh is None else (id(state.layout), id(mesh), mesh.rank))
+    # (by the given state's layout, which check_layout accepted: the returned one is another where the step
+    # re-tagged it for its model, run_inputs.py)
+    known = memo.get(id(given.layout) if mesh is None else (id(given.layout), id(mesh), mesh.rank))
     if known is None or known.update_known:
         return
     pending, known.pending = known.pending, None
