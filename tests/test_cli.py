@@ -189,6 +189,21 @@ def test_schedule_files_it_cannot_read_or_write_are_usage_errors(
         assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr, (
             args, result.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt"]  # nothing written on the way
+    (tmp_path / "dangling.json").symlink_to(tmp_path / "missing" / "t.json")
+    result = in_process("schedule", *shape, "--trace", str(tmp_path / "dangling.json"))
+    assert result.returncode == 2 and "is a link to" in result.stderr and "which does not exist" in result.stderr
+
+
+def test_an_existing_file_in_a_folder_the_user_cannot_write_is_written(
+        in_process: Callable[..., Ran], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The review: --trace /dev/null (or /dev/stdout) was refused for a user who cannot write into /dev itself (the
+    check asked of the folder): a file that exists is asked of itself. (As a user, not root, would be answered.)"""
+    import shardwise.cli.arguments as arguments
+
+    real = arguments.os.access
+    monkeypatch.setattr(arguments.os, "access", lambda p, mode: False if str(p) == "/dev" else real(p, mode))
+    result = in_process("schedule", "gpipe", "--ranks", "2", "--microbatches", "2", "--trace", "/dev/null")
+    assert result.returncode == 0, result.stderr
 
 
 # -- the mesh grammar and FILE:FUNCTION ------------------------------------------------------------

@@ -84,6 +84,13 @@ def check_output_file(flag: str, path: str | Path, example: str) -> None:
     target = Path(path)
     if target.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is a folder: name a file in it (e.g. {str(target / example)!r})")
+    if target.exists():  # a file to replace, or one written into as it is (/dev/stdout): its own permission
+        if not os.access(target, os.W_OK):
+            raise UsageError(f"{flag} {str(path)!r} is not writable; name another file")
+        return
+    if target.is_symlink():
+        raise UsageError(f"{flag} {str(path)!r} is a link to {os.readlink(target)!r}, which does not exist; name "
+                         "the file itself, or make the link's folder first")
     folder = target.parent
     if not folder.is_dir():
         raise UsageError(f"{flag} {str(path)!r}: there is no folder {str(folder)!r} to write it in; create it "
