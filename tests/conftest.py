@@ -4,6 +4,7 @@ long-lived gloo process pools shared by every multi-process test, and commands r
 from __future__ import annotations
 
 import compileall
+import fnmatch
 import importlib.util
 import os
 import subprocess
@@ -51,6 +52,36 @@ torch.set_num_threads(1)
 if "PYTEST_XDIST_WORKER" not in os.environ:
     for _tree in ("shardwise", "tests"):
         compileall.compile_dir(Path(__file__).resolve().parents[1] / _tree, quiet=1)
+
+
+# Likewise the test modules as pytest rewrites their asserts: pytest caches a rewritten module in its own pyc
+# (``__pycache__/<name>.cpython-3X-pytest-<version>.pyc``), which it reads whatever PYTHONDONTWRITEBYTECODE says
+# but writes only where it is unset; so each worker rewrote all 400 test modules and conftests as it collected
+# them, 8 s of its 14 s collection (6 s with the pycs there). The controller writes them, on a thread that runs
+# while its workers start (they import torch first): a worker that comes to a module before it is written
+# rewrites it itself, as before (pytest writes a pyc whole, by a rename, and checks it against the source's
+# hash). Only a cache: with a pytest whose internals moved, nothing is written and every worker rewrites.
+def _write_rewritten_test_pycs(config: pytest.Config) -> None:
+    try:
+        from _pytest.assertion import rewrite
+
+        state = config.stash[rewrite.assertstate_key]
+        patterns = ["conftest.py", *config.getini("python_files")]
+        for path in sorted((ROOT / "tests").rglob("*.py")):
+            if not any(fnmatch.fnmatch(path.name, pattern) for pattern in patterns):
+                continue
+            pyc = rewrite.get_cache_dir(path) / (path.name[:-3] + rewrite.PYC_TAIL)
+            if rewrite._read_pyc(path, pyc, state.trace) is None and rewrite.try_makedirs(pyc.parent):
+                source_hash, code = rewrite._rewrite_test(path, config)
+                rewrite._write_pyc(state, code, source_hash, pyc)
+    except (ImportError, AttributeError, KeyError, OSError, SyntaxError):
+        return
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if (sys.dont_write_bytecode and not hasattr(config, "workerinput")
+            and config.getoption("assertmode", None) == "rewrite"):
+        threading.Thread(target=_write_rewritten_test_pycs, args=(config,), name="rewritten-pycs", daemon=True).start()
 
 
 # -- rank processes forked from the fork server, in every test ------------------------------------
