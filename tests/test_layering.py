@@ -19,6 +19,7 @@ types are one design, not an import order.
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
@@ -52,12 +53,25 @@ def _walk(node: ast.AST, type_checking: bool) -> Iterator[ast.AST]:
         yield from _walk(child, type_checking)
 
 
+@functools.cache
+def _parsed(path: Path, mtime_ns: int, size: int) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _parse(path: Path) -> ast.Module:
+    """``path``'s syntax tree, parsed once per version of the file (each source is scanned by five tests, and
+    the cycle check scans them all again: parsing them afresh each time was most of this file's time). The
+    trees are only read."""
+    stat = path.stat()
+    return _parsed(path, stat.st_mtime_ns, stat.st_size)
+
+
 def _import_statements(
     path: Path, package: Path = PACKAGE, type_checking: bool = True
 ) -> Iterator[tuple[str, list[str]]]:
     """(module, names) of every import in ``path``: ``import m`` gives (m, []), ``from m import a, b``
     gives (m, [a, b]) with relative modules made absolute."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _parse(path)
     here = _module_name(path, package).split(".")
     for node in _walk(tree, type_checking):
         if isinstance(node, ast.Import):
@@ -300,7 +314,7 @@ def _identifiers(tree: ast.AST) -> Iterator[tuple[int, str]]:
 
 
 def transform_names_in(path: Path) -> list[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _parse(path)
     return [f"{path.name}:{line}: {name}" for line, name in _identifiers(tree) if _TRANSFORM_NAMES.search(name)]
 
 
@@ -327,7 +341,7 @@ def test_the_transform_name_scan_finds_a_planted_name(tmp_path: Path) -> None:
 
 def transform_strings_in(path: Path) -> list[str]:
     """``file:line: value`` of every string in ``path``'s code equal to a split transform's name."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = _parse(path)
     return [f"{path.name}:{node.lineno}: {node.value}" for node in ast.walk(tree)
             if isinstance(node, ast.Constant) and node.value in SPLIT_TRANSFORMS]
 
