@@ -74,7 +74,7 @@ def _write_rewritten_test_pycs(config: pytest.Config) -> None:
             if rewrite._read_pyc(path, pyc, state.trace) is None and rewrite.try_makedirs(pyc.parent):
                 source_hash, code = rewrite._rewrite_test(path, config)
                 rewrite._write_pyc(state, code, source_hash, pyc)
-    except (ImportError, AttributeError, KeyError, OSError, SyntaxError):
+    except Exception:  # (only a cache: whatever pytest's private names became, the workers rewrite as before)
         return
 
 
