@@ -328,8 +328,8 @@ class BoundedCache(dict[Any, Any]):
 class ModelTag:
     """Which model a layout was made for: a weak reference to the step's chain (its ``base_chain``),
     whose buffers and frozen parameters a checkpoint writes beside the state's parameters. Weak, so a
-    state does not keep a model alive; a pickled or copied layout carries an empty tag (the model is not
-    known there, and nothing is checked)."""
+    state does not keep a model alive; a pickled layout carries an empty tag (the model is not known
+    there, and nothing is checked), a deep copy of one in this process the same model's."""
 
     def __init__(self, chain: Chain | None = None) -> None:
         self.ref = None if chain is None else weakref.ref(chain)  # (read inline on the step's hot path)
