@@ -19,7 +19,11 @@ the timeout, so waiting for a late start never uses it up). Code before a rank's
 collective (seeding torch and building a model) therefore does not interleave with another
 rank's, so ranks that seed alike build alike, run to run, although thread ranks share
 torch's one global generator; a build that takes longer than the turn may interleave, and
-``step.init`` then refuses ranks that built different models.
+``step.init`` then refuses ranks that built different models. A rank inside :func:`holding_turn`
+(``functionalize``, which sets the generators back after tracing and checking the model and refuses a
+model whose glue code drew from them) does not spend its turn there, up to a second turn of
+``timeout / (4 * world)``: the next rank's seeding and build start after it, not in the middle of it,
+and the last rank still starts within half the timeout.
 
 Python cannot kill a thread. The launcher stops a rank it gives up on by
 raising :class:`RankStopped` in its thread (``PyThreadState_SetAsyncExc``),
@@ -74,6 +78,15 @@ on_blocking_wait(_pass_baton)
 on_poll(_release_baton)
 
 
+def holding_turn() -> contextlib.AbstractContextManager[None]:
+    """Around engine code that reads the process's random generators and sets them back (``functionalize``):
+    on a thread rank, the time spent inside does not count against the rank's turn, so the next rank does not
+    start its own setup (seeding torch, building a model) in the middle of it (see the module docstring).
+    Elsewhere it does nothing."""
+    hold = getattr(_baton, "hold", None)
+    return contextlib.nullcontext() if hold is None else hold()
+
+
 def start_turn(timeout: float, world: int) -> float:
     """The longest a rank waits for the one before it to reach its first collective: a fraction of
     the timeout, so that waiting for the last rank to start never takes the timeout up."""
@@ -118,11 +131,16 @@ class _RankThreads:
         self.started = [False] * world.world_size
         self.started_at: list[float | None] = [None] * world.world_size
         self.turn = start_turn(world.timeout, world.world_size)
+        # Time inside holding_turn() is not spent from a rank's turn, up to this much more.
+        self.hold_limit = world.timeout / (4 * max(world.world_size, 1))
+        self.held_s = [0.0] * world.world_size  # each rank's time in holding_turn(), its current hold included
+        self.holding_since: list[float | None] = [None] * world.world_size
         self._starting = threading.Lock()
         self._fn, self._args = fn, args
 
     def _body(self, rank: int) -> None:
         _baton.release = lambda: self._start(rank + 1)
+        _baton.hold = lambda: self._holding(rank)
         try:
             with use_backend(ThreadsBackend(self.world, rank)):
                 self.results[rank] = run_rank(self._fn, *self._args)
@@ -131,9 +149,32 @@ class _RankThreads:
         except BaseException as exc:
             self.world.abort(rank, exc)
         finally:
-            _baton.release = None
+            _baton.release = _baton.hold = None
             self._start(rank + 1)  # if its first wait did not already
             self.done[rank].set()
+
+    @contextlib.contextmanager
+    def _holding(self, rank: int) -> Iterator[None]:
+        """``rank``'s time inside, the outermost hold's, is not spent from its turn (see ``hold_limit``)."""
+        if self.holding_since[rank] is not None:  # nested: the outer hold counts it
+            yield
+            return
+        self.holding_since[rank] = time.monotonic()
+        try:
+            yield
+        finally:
+            began, self.holding_since[rank] = self.holding_since[rank], None
+            assert began is not None
+            self.held_s[rank] += time.monotonic() - began
+
+    def _turn_spent(self, rank: int, now: float) -> float:
+        """Seconds of ``rank``'s turn spent by ``now``: since it started, less its time holding the turn."""
+        started = self.started_at[rank]
+        if started is None:
+            return 0.0
+        since = self.holding_since[rank]
+        held = self.held_s[rank] + (now - since if since is not None else 0.0)
+        return now - started - min(held, self.hold_limit)
 
     def start(self) -> None:
         for rank in range(self.world.world_size):
@@ -160,13 +201,12 @@ class _RankThreads:
         self.threads[rank].start()
 
     def _start_late(self, now: float) -> None:
-        """Start the next rank whose turn ran out: the one before it started ``turn`` seconds ago and
-        has not waited yet (a long setup, or a rank that never communicates)."""
+        """Start the next rank whose turn ran out: the one before it has spent ``turn`` seconds since it
+        started (less its time in :func:`holding_turn`) and has not waited yet (a long setup, or a rank that
+        never communicates)."""
         pending = next((r for r, s in enumerate(self.started) if not s), None)
-        if pending is not None and pending > 0:
-            previous = self.started_at[pending - 1]
-            if previous is not None and now - previous > self.turn:
-                self._start(pending)
+        if pending is not None and pending > 0 and self._turn_spent(pending - 1, now) > self.turn:
+            self._start(pending)
 
     def running(self) -> list[int]:
         """Ranks not ended: running, or waiting for their turn to start."""

@@ -95,6 +95,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
+from ...collectives.backends.thread_ranks import holding_turn
 from ..torch_api import dense_where_refused, fake_run_errors
 from . import host_random
 from .aliased_tensors import refuse_aliased, refuse_param_hooks
@@ -179,6 +180,15 @@ def functionalize(
     logits, with ``units=(BartEncoderLayer, BartDecoderLayer)``, ``("embed",
     "model.model.encoder.layers.0", ..., "bridge", "model.model.decoder.layers.0", ..., "head")``.
     """
+    # It sets torch's, Python's and numpy's generators back after tracing and checking the model: on thread
+    # ranks, which share them, the next rank's seeding and build wait for it (collectives/backends/thread_ranks).
+    with holding_turn():
+        return _functionalize(module, units, example_input, init_fn, device)
+
+
+def _functionalize(
+    module: nn.Module, units: Units, example_input: Any, init_fn: InitFn | None, device: torch.device | str | None
+) -> tuple[Chain, ParamTree]:
     module = uncompiled(module)  # layers run eagerly: see engine/model/uncompiled.py
     _refuse_lazy(module)
     _refuse_stateful(module)
