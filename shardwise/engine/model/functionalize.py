@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -612,7 +612,7 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     devices = sorted(
         {t.device.index or 0 for t in optree.tree_leaves(x) if isinstance(t, Tensor) and t.is_cuda}
     )
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), host_random.kept():
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), host_random.kept(), _no_fused_attention():
         rng, host = _rng_states(devices), host_random.capture()
         # On a copy of the example's tensors: forward may change one in place (Whisper's SpecAugment masks
         # input_features), and the chain must start from the same input.
@@ -643,6 +643,20 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
                 "layer cannot carry state. Put the module in eval mode or drop the in-place update."
             )
     _compare_outputs(expected, got)
+
+
+@contextlib.contextmanager
+def _no_fused_attention() -> Iterator[None]:
+    """torch's MultiheadAttention and Transformer layers take a fused kernel (``torch.backends.mha``'s fast path)
+    in eval mode without gradients, the check's conditions, never in training: the module's one call and the
+    chain's per-layer calls would take it at different levels (the whole ``nn.TransformerEncoder``, one layer)
+    and round apart (5e-16). Off during the check, as a step runs."""
+    enabled = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 def _change_copies(chain: Chain, changed: LeafIndices) -> None:

@@ -182,6 +182,13 @@ def _unit_calls(graph: fx.Graph, paths: list[str]) -> list[fx.Node]:
         if node.op == "call_module" and node.target in calls:
             calls[str(node.target)].append(node)
     for path, nodes in calls.items():
+        if not nodes and (inside := _inside_a_leaf(graph, path)) is not None:
+            # torch's nn.TransformerEncoder: fx keeps a torch.nn module whole, so the layers in it are not in
+            # the graph; recording the calls on an example finds them (functionalize falls back to it).
+            raise FxTraceError(
+                f"functionalize: unit {path!r} sits inside {inside!r}, a torch.nn module torch.fx does not trace "
+                "into, so its calls cannot be split by tracing."
+            )
         if not nodes:
             raise FunctionalizeError(
                 f"functionalize: unit {path!r} is never called in forward. It may be unused, sit "
@@ -195,6 +202,14 @@ def _unit_calls(graph: fx.Graph, paths: list[str]) -> list[fx.Node]:
             )
     position = {node: i for i, node in enumerate(graph.nodes)}
     return sorted((nodes[0] for nodes in calls.values()), key=position.__getitem__)
+
+
+def _inside_a_leaf(graph: fx.Graph, path: str) -> str | None:
+    """The module the trace kept whole (a call_module node) that holds the unit at ``path``, if any."""
+    for node in graph.nodes:
+        if node.op == "call_module" and path.startswith(f"{node.target}."):
+            return str(node.target)
+    return None
 
 
 def _check_order(paths: list[str], calls: list[fx.Node]) -> None:

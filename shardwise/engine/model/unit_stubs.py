@@ -36,17 +36,17 @@ class UnitStub(nn.Module):
     """Stands where a unit was: records its call, passes the hidden state on, stops or emits.
 
     Plain attributes of the unit (``attention_type``, ``layer_idx``) stay readable, since
-    forward may consult them; its submodules and tensors are not here: code outside the unit that
-    reads one (``F.layer_norm(x, ..., self.h[0].ln_1.weight)``) is refused, naming it."""
+    forward may consult them, and so do its submodules' (torch's ``nn.TransformerEncoder`` reads
+    ``self.layers[0].self_attn.batch_first`` before calling its layers); its tensors are not here: code
+    outside the unit that reads one (``F.layer_norm(x, ..., self.h[0].ln_1.weight)``) is refused, naming it."""
 
     def __init__(self, unit: nn.Module, index: int, slot: Slot, call: UnitCall, path: str = "") -> None:
         super().__init__()
         self.index, self.slot, self.path = index, slot, path
         output = call.output
-        self.inner = {*unit._modules, *unit._parameters, *unit._buffers}  # what only the unit's own call reads
-        self.attributes = {
-            k: v for k, v in vars(unit).items() if not k.startswith("_") and not isinstance(v, (nn.Module, Tensor))
-        }
+        self.inner = {*unit._parameters, *unit._buffers}  # what only the unit's own call reads
+        self.attributes = _plain_attributes(unit)
+        self.submodules = {name: _Submodule(path, name, m, self) for name, m in unit._modules.items() if m}
         # None: the unit returns the hidden state itself; else the tuple or ModelOutput type it returns
         # it in (a ModelOutput is built from its fields in order, a tuple from one iterable).
         self.output_type: type | None = None if isinstance(output, Tensor) else type(output)
@@ -81,6 +81,8 @@ class UnitStub(nn.Module):
             attributes = self.__dict__.get("attributes", {})
             if name in attributes:
                 return attributes[name]
+            if name in self.__dict__.get("submodules", {}):
+                return self.__dict__["submodules"][name]
             if name in self.__dict__.get("inner", ()):
                 raise FunctionalizeError(read_inside_unit(self.__dict__["path"], name)) from None
             raise
@@ -115,6 +117,66 @@ class UnitStub(nn.Module):
         if self._model_output:
             return self.output_type(hidden, *rest)
         return self.output_type((hidden, *rest))
+
+
+def _plain_attributes(module: nn.Module, private: bool = False) -> dict[str, Any]:
+    """A module's public attributes that are neither modules nor tensors (``layer_idx``, ``batch_first``), and
+    with ``private``, its private flags and numbers but nn.Module's own (``_qkv_same_embed_dim``)."""
+    plain = {
+        k: v for k, v in vars(module).items() if not k.startswith("_") and not isinstance(v, (nn.Module, Tensor))
+    }
+    if private:
+        plain.update(
+            (k, v) for k, v in vars(module).items()
+            if k.startswith("_") and k not in _MODULE_OWN and isinstance(v, bool | int | float | str | type(None))
+        )
+    return plain
+
+
+_MODULE_OWN = frozenset(vars(nn.Module()))
+
+
+class _Submodule:
+    """A unit's submodule, read outside the unit's call: its plain attributes (taken at the split, as the stub's
+    are; its mode is the stub's), its own submodules alike; its tensors and a call of it are refused."""
+
+    def __init__(self, unit: str, name: str, module: nn.Module, stub: UnitStub) -> None:
+        self._unit, self._name, self._stub, self._type = unit, name, stub, type(module)  # (name: in the unit)
+        self._attributes = _plain_attributes(module, private=True)
+        self._inner = {*module._parameters, *module._buffers}
+        self._submodules = {n: _Submodule(unit, f"{name}.{n}", m, stub) for n, m in module._modules.items() if m}
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # isinstance(view, nn.MultiheadAttention), as on the module
+        return self._type
+
+    def __reduce__(self) -> tuple[Any, ...]:  # (pickle and deepcopy would build the class __class__ names)
+        return _Submodule._restored, (dict(vars(self)),)
+
+    @staticmethod
+    def _restored(state: dict[str, Any]) -> _Submodule:
+        view = object.__new__(_Submodule)
+        vars(view).update(state)
+        return view
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name == "training":
+            return self._stub.training
+        if name in self._attributes:
+            return self._attributes[name]
+        if name in self._submodules:
+            return self._submodules[name]
+        if name in self._inner or hasattr(self._type, name):  # a tensor, or a method (a call of the submodule)
+            raise FunctionalizeError(read_inside_unit(self._unit, f"{self._name}.{name}"))
+        raise AttributeError(f"{self._type.__name__!r} object at {self._unit}.{self._name} has no attribute {name!r}")
+
+    def __getitem__(self, index: Any) -> Any:
+        raise FunctionalizeError(read_inside_unit(self._unit, f"{self._name}.{index}"))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise FunctionalizeError(read_inside_unit(self._unit, self._name))
 
 
 def dtype_change(path: str, call: UnitCall, slot: Slot, hidden_out: Any) -> str | None:
