@@ -168,3 +168,25 @@ def test_a_nan_in_a_buffer_is_the_same_nan_in_the_same_module_functionalized_aga
     state = _trained(step, params)
     for i, other in enumerate((_step(module)[0], _step(copy.deepcopy(module))[0])):
         sw.checkpoint.save(tmp_path / f"ck{i}", state, other)
+
+
+def test_a_meta_built_model_split_twice_names_the_step_whose_frozen_parameters_were_never_filled(
+    tmp_path: Path,
+) -> None:
+    # Its second split's frozen parameters are stand-ins (a zero, expanded) until an init or load of that step
+    # fills them: the state was made by the first; the refusal said "another model" and named differing values.
+    stored = {k: v.clone() for k, v in _module(0).state_dict().items()}
+    with torch.device("meta"):
+        meta = _module(0, frozen=None)
+    meta[0].bias.requires_grad_(False)
+    first, _ = _step(meta)
+    second, _ = _step(meta)
+    state = sw.checkpoint.init_from_state_dict(first, stored)
+    state, _ = first(state, BATCH)
+    expected = r"this step's frozen \(requires_grad=False\) parameter '0\.bias' holds no values: .*meta device"
+    with pytest.raises(sw.checkpoint.CheckpointError, match=expected):
+        sw.checkpoint.save(tmp_path / "ckpt", state, second)
+    assert not (tmp_path / "ckpt").exists()
+    with pytest.raises(ValueError, match="full_state_dict: " + expected):
+        sw.checkpoint.full_state_dict(second, state)
+    sw.checkpoint.save(tmp_path / "ckpt", state, first)  # the step that made it

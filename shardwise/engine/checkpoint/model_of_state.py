@@ -19,6 +19,7 @@ import torch
 
 from ..layout.state import TrainState
 from ..model.chain import Chain
+from ..model.materialize import is_stand_in
 from .names import state_dict_names
 
 
@@ -36,6 +37,8 @@ def other_model(step: Any, state: TrainState) -> str | None:
             side = "the state's" if key in theirs else "this step's"
             return _refusal(key, f"only {side} model has it")
         mine, its = chain[ours[key][0]].buffers[ours[key][1]], made_for[theirs[key][0]].buffers[theirs[key][1]]
+        if is_stand_in(mine) and not is_stand_in(its):
+            return _unfilled(key)
         difference = _differs(mine, its)
         if difference:
             return _refusal(key, difference)
@@ -55,6 +58,17 @@ def _differs(mine: torch.Tensor, its: torch.Tensor) -> str | None:
     if bool(same.all()):
         return None
     return f"{int((~same).sum())} of its {mine.numel()} values differ"
+
+
+def _unfilled(key: str) -> str:
+    return (
+        f"this step's frozen (requires_grad=False) parameter {key!r} holds no values: the step was split from a "
+        "model built on the meta device, whose frozen parameters are filled by the init or load that makes a "
+        "state (sw.checkpoint.init_from_pretrained, init_from_state_dict, init_from_dcp, load) into its own "
+        "chain, and this step made none: the state was made by another step (another functionalize of the same "
+        "module). Pass the step that made the state (the one whose init or last call returned it, or a load into "
+        "it)"
+    )
 
 
 def _refusal(key: str, difference: str) -> str:
