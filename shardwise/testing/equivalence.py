@@ -40,6 +40,7 @@ from ..collectives.launch import launch
 from ..collectives.mesh import Mesh
 from ..engine.layout.in_flight import InFlightParams
 from ..engine.model.whole_batch import called_modules
+from .coarse_compute import coarser_compute
 
 # Default rtol by parameter dtype. float64: distributed sums change only the
 # rounding order, ~1e-16 per operation, so 1e-10 leaves room for depth and
@@ -279,7 +280,7 @@ def assert_equivalent(
     try:
         return compare_histories(per_rank, expected, rtol=rtol, atol=atol, metrics_at_their_dtype=rtol_given is None)
     except NotEquivalentError as err:
-        raise explained(err, reference) from None
+        raise explained(err, reference, params, batches[0]) from None
 
 
 def check_reference(reference: Any) -> None:
@@ -294,17 +295,31 @@ def check_reference(reference: Any) -> None:
         )
 
 
-def explained(err: NotEquivalentError, reference: Any) -> NotEquivalentError:
-    """``err``, naming where the reference's model draws random numbers in training, if it does."""
+def explained(err: NotEquivalentError, reference: Any, params: Any = None, batch: Any = None) -> NotEquivalentError:
+    """``err``, naming where the reference's model draws random numbers in training, if it does; else, for an error
+    of about a coarser dtype's rounding, where the model computes in that dtype on ``batch`` (``coarse_compute.py``)."""
     drawn = _random_draws(reference)
-    if not drawn:
+    if drawn:
+        note = (
+            f"the model draws random numbers in training ({', '.join(drawn[:4])}): a distributed step draws "
+            "its masks per rank and micro-batch, not as one device does, so it cannot equal it step for step; set "
+            "them to 0 (or the module to eval mode) to check equivalence"
+        )
+    elif (coarse := coarser_compute(reference, params, batch)) is None:
         return err
-    return NotEquivalentError(
-        f"{err}; the model draws random numbers in training ({', '.join(drawn[:4])}): a distributed step draws "
-        "its masks per rank and micro-batch, not as one device does, so it cannot equal it step for step; set "
-        "them to 0 (or the module to eval mode) to check equivalence",
-        err.step, err.path, err.rank, err.abs_err, err.rel_err,
-    )
+    else:
+        layer, op, dtype = coarse
+        own = DEFAULT_RTOL.get(dtype, 1e-5)
+        if err.rel_err > 100 * own:  # far above that dtype's rounding: not explained by it
+            return err
+        note = (
+            f"the model computes in {dtype} inside (an {op} to {dtype} of values computed from the parameters or "
+            f"the batch in layer {layer!r}: an upcast such as an RMSNorm's x.float()): a sum over the whole batch "
+            "and a sum over its parts (ranks, micro-batches) round apart at that precision, not the parameters', "
+            f"and an update carries it on (Adam scales a small gradient up); an error of this size is that "
+            f"rounding: judge at {dtype}'s tolerance (rtol={own:g})"
+        )
+    return NotEquivalentError(f"{err}; {note}", err.step, err.path, err.rank, err.abs_err, err.rel_err)
 
 
 def compare_histories(

@@ -387,3 +387,63 @@ def test_a_complex_parameters_imaginary_part_is_compared() -> None:
     sw.testing.compare_histories([_one(want.clone())], _one(want), rtol=1e-10)
     with pytest.raises(NotEquivalentError, match=r"max abs error 6, relative error 3"):
         sw.testing.compare_histories([_one(torch.complex(want.real, -5 * want.imag))], _one(want), rtol=1e-10)
+
+
+class _UpcastNorm(torch.nn.Module):
+    """Gemma's RMSNorm: computed in float32 whatever the model's dtype, its weight's gradient summed in float32."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+def _upcasting(lr: float = 1e-2) -> tuple[Any, Any, list[Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), _UpcastNorm(16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    chain, params = sw.functionalize(model.double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.adamw(lr))
+    g = torch.Generator().manual_seed(1)
+    f64 = torch.float64
+    batches = [(torch.randn(16, 8, generator=g, dtype=f64), torch.randn(16, 4, generator=g, dtype=f64))
+               for _ in range(3)]
+    return step, params, batches
+
+
+def test_a_divergence_of_a_float64_model_computing_in_float32_inside_names_the_layer_and_its_tolerance() -> None:
+    """A float64 Gemma or Mamba failed at float64's tolerance with no word of why: their norms compute in float32,
+    and a sum over ranks' parts rounds apart from one sum at float32's precision."""
+    step, params, batches = _upcasting()
+    zero = sw.shard_params(step, "dp", 3)
+    with pytest.raises(NotEquivalentError, match=r"the model computes in torch\.float32 inside \(an _to_copy to "
+                       r"torch\.float32 .* in layer '1'.*judge at torch\.float32's tolerance \(rtol=1e-05\)"):
+        sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params)
+    sw.testing.assert_equivalent(zero, step, sw.Mesh(dp=2), batches, params, rtol=1e-5)
+    # A real error (another learning rate) is far above float32's rounding: not explained by it.
+    wrong, _, _ = _upcasting(lr=2e-2)
+    with pytest.raises(NotEquivalentError) as caught:
+        sw.testing.assert_equivalent(sw.shard_params(wrong, "dp", 3), step, sw.Mesh(dp=2), batches, params, rtol=1e-5)
+    assert caught.value.rel_err > 1e-3
+    assert "float32 inside" not in str(caught.value), str(caught.value)
+
+
+def test_a_float32_table_computed_from_positions_alone_is_not_named() -> None:
+    """A rotary embedding's float32 table (from positions, not from the parameters or the batch) rounds alike on
+    every rank: a divergence of such a model says nothing of it."""
+    from shardwise.testing.coarse_compute import coarser_compute
+
+    class Rotary(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            table = torch.arange(x.shape[-1], dtype=torch.float32).sin()  # (positions alone)
+            return x * table.to(x.dtype)
+
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), Rotary()).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    batch = (torch.randn(2, 4, dtype=torch.float64), torch.randn(2, 4, dtype=torch.float64))
+    assert coarser_compute(step, params, batch) is None
+    upcast, upcast_params, upcast_batches = _upcasting()
+    assert coarser_compute(upcast, upcast_params, upcast_batches[0]) == ("1", "_to_copy", torch.float32)
