@@ -166,5 +166,8 @@ def test_no_module_takes_a_lock_by_acquire_but_through_a_rank_lock() -> None:
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if re.search(r"\.acquire\(", line)
     ]
-    assert all(f.startswith("engine/run/rng.py:") and "_SHARED.acquire(" in f for f in found), found
+    rank_locks = {"engine/run/rng.py:": "_SHARED.acquire(",
+                  "collectives/backends/thread_ranks.py:": "held_by_one.acquire("}
+    assert all(any(f.startswith(path) and taken in f for path, taken in rank_locks.items()) for f in found), found
     assert isinstance(rng._SHARED, RankLock)
+    assert "self.held_by_one = RankLock()" in (root / "collectives/backends/thread_ranks.py").read_text()

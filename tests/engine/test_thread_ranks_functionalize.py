@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise import FunctionalizeError
 from shardwise.collectives.backends import thread_ranks
 from shardwise.collectives.backends.current import current_backend
 
@@ -103,3 +104,133 @@ def test_a_hold_longer_than_its_limit_lets_the_next_rank_start(monkeypatch: pyte
 def test_holding_the_turn_outside_a_rank_thread_does_nothing() -> None:
     with thread_ranks.holding_turn():
         assert threading.current_thread().name == threading.main_thread().name
+
+
+class _Signalling(nn.Module):
+    """Its traced code (run once, at functionalize) tells ``tracing`` and waits for ``called``."""
+
+    tracing: threading.Event
+    called: threading.Event
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.tracing.set()
+        self.called.wait(10)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("whose", ["its own model", "a block of the model being traced"])
+def test_a_module_called_on_another_thread_while_one_traces_runs_as_written(whose: str) -> None:
+    # torch.fx patches nn.Module.__call__ and __getattr__ for the whole process while it traces: another
+    # thread's call (a thread rank recording its model, or stepping) failed with fx's "module is not
+    # installed as a submodule", or computed with this trace's proxies.
+    torch.manual_seed(0)
+    model = _Signalling()
+    model.tracing, model.called = threading.Event(), threading.Event()
+    other = _Block() if whose == "its own model" else model.blocks[0]
+    x = torch.randn(3, 4)
+    expected = other(x)
+    seen: dict[str, Any] = {}
+
+    def call_during_the_trace() -> None:
+        try:
+            model.tracing.wait(10)
+            seen["out"] = other(x)
+        except Exception as e:  # (carried to the test's thread)
+            seen["error"] = e
+        finally:
+            model.called.set()
+
+    caller = threading.Thread(target=call_during_the_trace)
+    caller.start()
+    try:
+        sw.functionalize(model, units=_Block)
+    finally:
+        model.called.set()
+        caller.join(10)
+    assert "error" not in seen, seen.get("error")
+    assert isinstance(seen["out"], torch.Tensor) and torch.equal(seen["out"], expected)
+
+
+class _TracedWhen(nn.Module):
+    """Its forward notes which rank ran it when (traced at functionalize, then run in its check against the
+    chain); rank 0's also takes ``slow_s`` each time (a large model's trace and check)."""
+
+    traced: list[tuple[int, float, float]]
+    slow_s = 1.5
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rank = current_backend().rank
+        began = time.monotonic()
+        if rank == 0:
+            time.sleep(self.slow_s)
+        self.traced.append((rank, began, time.monotonic()))
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_thread_ranks_run_functionalize_one_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A turn of 0.2 s and a hold of at most 4 / (4 * 2) = 0.5 s: rank 1 starts while rank 0 is still in its
+    # functionalize, and waits at its own for rank 0's to end (two checks would set each other's generators).
+    monkeypatch.setattr(thread_ranks, "start_turn", lambda timeout, world: 0.2)
+    traced: list[tuple[int, float, float]] = []
+    ended: dict[int, float] = {}
+
+    def split() -> None:
+        torch.manual_seed(0)
+        model = _TracedWhen()
+        model.traced = traced
+        sw.functionalize(model, units=_Block, example_input=torch.randn(3, 4))
+        ended[current_backend().rank] = time.monotonic()
+
+    started = time.monotonic()
+    sw.launch(split, 2, timeout=4)
+    assert sorted(rank for rank, _, _ in traced) == [0, 0, 1, 1]  # a trace and a check each
+    assert all(began >= ended[0] for rank, began, _ in traced if rank == 1)  # after rank 0's functionalize
+    assert ended[0] - started >= 2 * _TracedWhen.slow_s
+
+
+class _DrawnBeside(nn.Module):
+    """A dropout; at its second call (the chain's, in functionalize's check) another thread draws from torch's
+    generator first, as a thread rank building its model meanwhile does."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        if type(self).calls == 2:
+            other = threading.Thread(target=lambda: torch.rand(8))
+            other.start()
+            other.join()
+        return nn.functional.dropout(self.lin(x), 0.5, self.training)
+
+
+@pytest.mark.parametrize("where", ["thread rank", "main thread"])
+def test_a_check_whose_masks_another_thread_changed_says_so_on_a_thread_rank(where: str) -> None:
+    def split() -> None:
+        _DrawnBeside.calls = 0
+        torch.manual_seed(0)
+        sw.functionalize(nn.Sequential(nn.Linear(4, 4), _DrawnBeside()), example_input=torch.randn(8, 4))
+
+    note = "On thread ranks, which share torch's generator, this also happens where another rank draws"
+    if where == "main thread":
+        with pytest.raises(FunctionalizeError, match="the chain differs from the module") as caught:
+            split()
+        assert note not in str(caught.value)
+    else:
+        with pytest.raises(sw.collectives.RankFailed, match=note):
+            sw.launch(split, 1)

@@ -23,7 +23,8 @@ torch's one global generator; a build that takes longer than the turn may interl
 (``functionalize``, which sets the generators back after tracing and checking the model and refuses a
 model whose glue code drew from them) does not spend its turn there, up to a second turn of
 ``timeout / (4 * world)``: the next rank's seeding and build start after it, not in the middle of it,
-and the last rank still starts within half the timeout.
+and the last rank still starts within half the timeout. Ranks inside it take turns (a rank started
+meanwhile waits at its own ``functionalize`` for the other's to end, at most the timeout).
 
 Python cannot kill a thread. The launcher stops a rank it gives up on by
 raising :class:`RankStopped` in its thread (``PyThreadState_SetAsyncExc``),
@@ -45,10 +46,11 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ..errors import CollectiveError, RankFailed, RankHung
+from ..errors import CollectiveError, CollectiveTimeout, RankFailed, RankHung
 from ..rank_end import run_rank
 from .blocking import on_blocking_wait, on_poll
 from .current import use_backend
+from .rank_lock import RankLock
 from .threads import ThreadsBackend, ThreadsWorld
 
 _POLL_S = 0.05  # the launcher checks its ranks this often (and reacts to Ctrl-C as soon)
@@ -135,6 +137,7 @@ class _RankThreads:
         self.hold_limit = world.timeout / (4 * max(world.world_size, 1))
         self.held_s = [0.0] * world.world_size  # each rank's time in holding_turn(), its current hold included
         self.holding_since: list[float | None] = [None] * world.world_size
+        self.held_by_one = RankLock()  # holding_turn() runs on one rank at a time
         self._starting = threading.Lock()
         self._fn, self._args = fn, args
 
@@ -161,7 +164,16 @@ class _RankThreads:
             return
         self.holding_since[rank] = time.monotonic()
         try:
-            yield
+            if not self.held_by_one.acquire(self.world.timeout):
+                raise CollectiveTimeout(
+                    f"rank {rank} waited {self.world.timeout:g} s for another rank to finish functionalize (thread "
+                    "ranks run it one at a time: it sets torch's shared generators back around its trace and "
+                    "check); raise launch(timeout=...) if the model's split is just slow"
+                )
+            try:
+                yield
+            finally:
+                self.held_by_one.release()
         finally:
             began, self.holding_since[rank] = self.holding_since[rank], None
             assert began is not None

@@ -50,9 +50,28 @@ class _UnitTracer(fx.Tracer):
         # Buffers read in traced code become graph reads, so `self.mask[:t, :t]` with a traced
         # t works and the buffer travels with the segment that reads it.
         self.proxy_buffer_attributes = True
+        self._thread: int | None = None  # the thread tracing (see trace)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         return module_qualified_name in self.units or super().is_leaf_module(m, module_qualified_name)
+
+    # torch.fx patches nn.Module.__call__ and __getattr__ for the whole process while it traces: a module
+    # called on another thread meanwhile (a thread rank recording its own model's calls, or stepping) went
+    # through this tracer, and failed with fx's "module is not installed as a submodule", or read a parameter
+    # of a model the ranks share as a proxy of this graph. Only the tracing thread's calls are traced.
+    def trace(self, root: Any, concrete_args: dict[str, Any] | None = None) -> fx.Graph:
+        self._thread = threading.get_ident()
+        return super().trace(root, concrete_args)
+
+    def call_module(self, m: nn.Module, forward: Any, args: Any, kwargs: Any) -> Any:
+        if threading.get_ident() != self._thread:
+            return forward(*args, **kwargs)
+        return super().call_module(m, forward, args, kwargs)
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        if threading.get_ident() != self._thread:
+            return attr_val
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def create_node(self, *args: Any, **kwargs: Any) -> fx.Node:
         node = super().create_node(*args, **kwargs)
