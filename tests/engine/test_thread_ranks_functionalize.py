@@ -234,3 +234,25 @@ def test_a_check_whose_masks_another_thread_changed_says_so_on_a_thread_rank(whe
     else:
         with pytest.raises(sw.collectives.RankFailed, match=note):
             sw.launch(split, 1)
+
+
+class _Averaged(nn.Module):
+    """A layer that averages its output over the ranks (a user's own parallel layer): functionalize's check runs
+    it, so one rank's functionalize waits in a collective for the other's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sw.collectives.pmean(self.lin(x), "dp")
+
+
+def test_a_functionalize_waiting_in_a_collective_lets_the_other_ranks_in() -> None:
+    def split() -> list[str]:
+        torch.manual_seed(0)
+        with sw.Mesh(dp=2):
+            chain, _ = sw.functionalize(nn.Sequential(_Averaged(), nn.Tanh()), example_input=torch.randn(3, 4))
+        return list(chain.names)
+
+    assert sw.launch(split, 2, timeout=10) == [["0", "1"], ["0", "1"]]

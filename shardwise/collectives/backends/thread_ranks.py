@@ -76,7 +76,21 @@ def _pass_baton() -> Iterator[None]:
     yield
 
 
+@contextlib.contextmanager
+def _lend_the_hold() -> Iterator[None]:
+    """A rank inside :func:`holding_turn` that waits in a collective (its model's own parallel layer, run by
+    functionalize's check) lets the other ranks in meanwhile: the peer it waits for may be waiting at its own
+    functionalize to get there."""
+    lend = getattr(_baton, "lend", None)
+    if lend is None:
+        yield
+        return
+    with lend():
+        yield
+
+
 on_blocking_wait(_pass_baton)
+on_blocking_wait(_lend_the_hold)
 on_poll(_release_baton)
 
 
@@ -138,6 +152,7 @@ class _RankThreads:
         self.held_s = [0.0] * world.world_size  # each rank's time in holding_turn(), its current hold included
         self.holding_since: list[float | None] = [None] * world.world_size
         self.held_by_one = RankLock()  # holding_turn() runs on one rank at a time
+        self.has_the_hold = [False] * world.world_size  # whether the rank holds held_by_one now
         self._starting = threading.Lock()
         self._fn, self._args = fn, args
 
@@ -152,7 +167,7 @@ class _RankThreads:
         except BaseException as exc:
             self.world.abort(rank, exc)
         finally:
-            _baton.release = _baton.hold = None
+            _baton.release = _baton.hold = _baton.lend = None
             self._start(rank + 1)  # if its first wait did not already
             self.done[rank].set()
 
@@ -164,20 +179,41 @@ class _RankThreads:
             return
         self.holding_since[rank] = time.monotonic()
         try:
-            if not self.held_by_one.acquire(self.world.timeout):
-                raise CollectiveTimeout(
-                    f"rank {rank} waited {self.world.timeout:g} s for another rank to finish functionalize (thread "
-                    "ranks run it one at a time: it sets torch's shared generators back around its trace and "
-                    "check); raise launch(timeout=...) if the model's split is just slow"
-                )
+            self._take_the_hold(rank)
+            _baton.lend = lambda: self._lent(rank)
             try:
                 yield
             finally:
-                self.held_by_one.release()
+                _baton.lend = None
+                if self.has_the_hold[rank]:  # (not where taking it back after a lending timed out)
+                    self.has_the_hold[rank] = False
+                    self.held_by_one.release()
         finally:
             began, self.holding_since[rank] = self.holding_since[rank], None
             assert began is not None
             self.held_s[rank] += time.monotonic() - began
+
+    def _take_the_hold(self, rank: int) -> None:
+        if self.held_by_one.acquire(self.world.timeout):
+            self.has_the_hold[rank] = True
+        else:
+            raise CollectiveTimeout(
+                f"rank {rank} waited {self.world.timeout:g} s for another rank to finish functionalize (thread "
+                "ranks run it one at a time: it sets torch's shared generators back around its trace and "
+                "check); raise launch(timeout=...) if the model's split is just slow"
+            )
+
+    @contextlib.contextmanager
+    def _lent(self, rank: int) -> Iterator[None]:
+        """``rank``'s hold let go while it waits in a collective (see :func:`_lend_the_hold`), and taken back."""
+        _baton.lend = None  # (a wait inside this one lends nothing more)
+        self.has_the_hold[rank] = False
+        self.held_by_one.release()
+        try:
+            yield
+        finally:
+            self._take_the_hold(rank)
+            _baton.lend = lambda: self._lent(rank)
 
     def _turn_spent(self, rank: int, now: float) -> float:
         """Seconds of ``rank``'s turn spent by ``now``: since it started, less its time holding the turn."""
