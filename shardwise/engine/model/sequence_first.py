@@ -62,7 +62,18 @@ def sequence_first_modules(chain: Chain) -> list[tuple[str, nn.Module]]:
     return list(found.items())
 
 
+# Their layers' batch_first says theirs: a stack of sequence-first layers takes (seq, batch, ...) too. Heard on the
+# stack itself: its forward compares a float mask with a causal one (torch's _detect_is_causal_mask), data a fake
+# run cannot read, so the run stops there, before the layers' attentions (PyTorch's language-model tutorial).
+SEQUENCE_FIRST_STACKS = (nn.TransformerEncoder, nn.TransformerDecoder)
+
+
 def _sequence_first(module: nn.Module) -> bool:
+    if isinstance(module, SEQUENCE_FIRST_STACKS):
+        try:
+            return module.layers[0].self_attn.batch_first is False
+        except (AttributeError, IndexError, TypeError):  # (layers of another kind: their attentions are heard)
+            return False
     return isinstance(module, SEQUENCE_FIRST) and getattr(module, "batch_first", True) is False
 
 
@@ -118,6 +129,10 @@ def rows_on_sequence_dim(
 def describe(path: str, module: nn.Module | None) -> tuple[str, str]:
     """(what takes its sequence on dim 0, how to give it the rows on its batch dim) for a find of
     :func:`rows_on_sequence_dim`."""
+    if isinstance(module, SEQUENCE_FIRST_STACKS):
+        return (f"{path!r} ({type(module).__name__} of batch_first=False layers)",
+                "build its layers with batch_first=True (or transpose the rows to dim 1 in the model's forward before "
+                "calling it)")
     if module is not None:
         return (f"{path!r} ({type(module).__name__}, batch_first=False)",
                 "build the module with batch_first=True (or transpose the rows to dim 1 in the model's forward before "
