@@ -87,7 +87,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import optree
@@ -105,6 +105,7 @@ from .capture import Piece, split_by_calls
 from .chain import Chain, Layer
 from .changed_inputs import LeafIndices, changed_since, copies, versions, with_copies
 from .functional_frequencies import keep, layer_paths, watching
+from .fused_attention import without_fused_attention
 from .fx_split import GLUE_READS, FunctionalizeError, FxTraceError, split_graph
 from .given_params import remember as remember_given
 from .glue_reads import refuse_changed
@@ -613,7 +614,7 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     devices = sorted(
         {t.device.index or 0 for t in optree.tree_leaves(x) if isinstance(t, Tensor) and t.is_cuda}
     )
-    with torch.no_grad(), torch.random.fork_rng(devices=devices), host_random.kept(), _no_fused_attention():
+    with torch.no_grad(), torch.random.fork_rng(devices=devices), host_random.kept(), without_fused_attention():
         rng, host = _rng_states(devices), host_random.capture()
         # On a copy of the example's tensors: forward may change one in place (Whisper's SpecAugment masks
         # input_features), and the chain must start from the same input.
@@ -655,20 +656,6 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
             "then draw different dropout masks here): build the model before launch, or give launch a longer "
             "timeout (a rank's turn is min(5 s, timeout / (4 * world)))"
         ) from None
-
-
-@contextlib.contextmanager
-def _no_fused_attention() -> Iterator[None]:
-    """torch's MultiheadAttention and Transformer layers take a fused kernel (``torch.backends.mha``'s fast path)
-    in eval mode without gradients, the check's conditions, never in training: the module's one call and the
-    chain's per-layer calls would take it at different levels (the whole ``nn.TransformerEncoder``, one layer)
-    and round apart (5e-16). Off during the check, as a step runs."""
-    enabled = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(enabled)
 
 
 def _change_copies(chain: Chain, changed: LeafIndices) -> None:

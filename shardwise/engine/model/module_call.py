@@ -43,6 +43,7 @@ from torch.func import functional_call
 from torch.nn.modules import module as _torch_module
 
 from shardwise.collectives.backends.current import on_rank_thread
+from shardwise.engine.model.fused_attention import holds_fused_attention, without_fused_attention
 from shardwise.engine.model.hf_collecting import forget_capturing_hooks, is_capturing_hook
 from shardwise.engine.model.predicted_state import no_fake_state_left, predicting_on_fake_tensors
 from shardwise.engine.model.rope_state import (
@@ -131,6 +132,8 @@ class ModuleCall:
         # Whether call_arguments adds use_cache=False to a call on a tensor, read once (a call on a
         # tensor is otherwise module(x)).
         self.takes_use_cache = "use_cache" in _forward_parameters(module)
+        # torch's attention modules inside: their fused inference path off at each call (fused_attention.py).
+        self._unfused = holds_fused_attention(module)
         # The tensors the last call put back into the slots (the module's own, meta between calls): another one
         # found there at the next call was set between the calls (a backward hook's ``self.buf = self.buf + v``).
         self._left: list[Any] | None = None
@@ -185,7 +188,11 @@ class ModuleCall:
                         container[attr] = tensors[key].clone()
             if self._rope_slots:
                 swap_in_kept(self._rope_slots)
-            out = self.module(*args, **kwargs)
+            if self._unfused:
+                with without_fused_attention():
+                    out = self.module(*args, **kwargs)
+            else:
+                out = self.module(*args, **kwargs)
             rebound = [key for container, attr, key in self._buffer_slots if container.get(attr) is not tensors[key]] \
                 if self._buffer_slots else None
         finally:

@@ -143,15 +143,25 @@ class _Submodule:
     def __init__(self, unit: str, name: str, module: nn.Module, stub: UnitStub) -> None:
         self._unit, self._name, self._stub, self._type = unit, name, stub, type(module)  # (name: in the unit)
         self._attributes = _plain_attributes(module, private=True)
-        self._inner = {*module._parameters, *module._buffers}
+        # (its tensors, and what it holds that a view does not keep: a private container, its hooks)
+        self._inner = {*module._parameters, *module._buffers, *vars(module)}
         self._submodules = {n: _Submodule(unit, f"{name}.{n}", m, stub) for n, m in module._modules.items() if m}
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # isinstance(view, nn.MultiheadAttention), as on the module
         return self._type
 
-    def __reduce__(self) -> tuple[Any, ...]:  # (pickle and deepcopy would build the class __class__ names)
+    def __reduce__(self) -> tuple[Any, ...]:  # (pickle would build the class __class__ names)
         return _Submodule._restored, (dict(vars(self)),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Submodule:
+        # A copy of the stubbed model (eval_ran_before) copies its stand-ins: their views are of the copy.
+        view = object.__new__(_Submodule)
+        vars(view).update(vars(self))
+        view._stub = memo.get(id(self._stub), self._stub)
+        view._submodules = {name: copy.deepcopy(sub, memo) for name, sub in self._submodules.items()}
+        memo[id(self)] = view
+        return view
 
     @staticmethod
     def _restored(state: dict[str, Any]) -> _Submodule:
