@@ -76,7 +76,7 @@ TP_WIDTH, TP_LAYERS = 2048, 4
 STACKS = ("pipeline", "pipeline_inplace", "pipeline_zero3", "pipeline_zero3_once", "tensor_parallel",
           "tensor_parallel_inplace", "tensor_parallel_bf16", "zero1", "zero1_bf16", "zero2_bf16", "zero2_acc2_bf16",
           "zero3_bf16", "zero3_acc2", "zero3_acc2_once", "lm_zero3", "lm_zero2_remat", "lm_pipeline_gpipe")
-# Measured too, and held to the Plan from below only (test_a_relus_result_and_its_gradient_are_counted).
+# Measured too, and held to the Plan from below and to 3% above (test_a_relus_result_and_its_gradient_are_counted).
 NOT_UNDER = ("relu_plain",)
 # lm_pipeline_zb_h1: a zero-bubble input pass records, per micro-batch, the gradients its weight pass starts from
 # (16 MiB of logits' gradient on the last stage), held from that I to its W (test_zero_bubble_records_...).
@@ -154,12 +154,15 @@ def _stack(name: str, width: int) -> tuple[sw.Step, dict[str, Any], tuple[torch.
     return step, params, batch, mesh
 
 
-def _already_held(mesh: sw.Mesh) -> int:
+def _already_held(step: sw.Step, mesh: sw.Mesh) -> int:
     """What the Plan counts that an earlier run in this process left resident (so the measurement,
     from this run's RSS, cannot see it): the shared-memory slots of the exchange over this stack's
     data-parallel group, if one is open already (ZeRO's; as test_meta_init_memory.py). Another
-    group's (dp 2 of a pipeline's stack, before dp 4) is in neither: resident before, not this Plan's."""
-    if "dp" not in mesh.axis_names:
+    group's (dp 2 of a pipeline's stack, before dp 4) is in neither: resident before, not this Plan's.
+    Nor are they a step's that does not shard its parameters over dp (relu_plain's: a step of its own on
+    every rank, which exchanges nothing and whose Plan counts no slots): taken off its Plan, they hid that
+    Plan's 8 MiB over the measured peak (its first Linear's gradient counted before it was made)."""
+    if "dp" not in mesh.axis_names or step.sharding_spec is None:
         return 0
     members = mesh.group_ranks("dp", mesh.rank)
     group = getattr(current_backend(), "_exchange_groups", {}).get(members)
@@ -218,7 +221,7 @@ def _measure(
     beside the parameters, as every later one does; every stack's peaks with two and with three steps were within
     this test's 3% too, which holds both ways, for 14 s and 24 s more of the suite's gloo worker)."""
     step, params, batch, mesh = stack
-    held = _already_held(mesh)
+    held = _already_held(step, mesh)
     with _resident_from_allocation():
         meter = PeakRSS()
         state = step.init(params, mesh)
@@ -324,10 +327,11 @@ def test_a_gather_in_flight_counts_whole_while_its_peers_are_late(runs: list[dic
 def test_a_relus_result_and_its_gradient_are_counted(runs: list[dict[str, Any]], stack: str) -> None:
     """The Plan is not under the measured peak where a ReLU between two Linears keeps its result to its own
     backward, beside the gradient of that result (the Plan said 0.77 of it, counting the result only to the
-    second Linear's backward and the gradient nowhere). It is over, by what it counts of the gradients at the
-    ReLU's backward (without shard_params every gradient, from the first backward on: 5-7% here), so this holds
-    it from below, and to 10% above."""
-    _not_under(runs, stack, over=1.10)
+    second Linear's backward and the gradient nowhere), nor over it by a gradient not yet made: without
+    shard_params it counted every gradient from the first backward on, the first Linear's (8 MiB) at the
+    ReLU's backward, where the peak is (1.11x the measured peak here, 1.13x a one-device BERT's). Each layer's
+    gradients count from its own backward now: within 3% (1.00-1.01)."""
+    _not_under(runs, stack, over=1.03)
 
 
 def _not_under(runs: list[dict[str, Any]], stack: str, over: float) -> None:

@@ -305,7 +305,7 @@ def _class_memory(
         # another stage's parameters matches none of this rank's, which the update resolving them alone refused).
         groups = getattr(step.optimizer, "groups", None)
         runs = None if groups is None else master_runs(groups, step.base_chain, layout, master, 0)
-        made, levels = unsharded_levels(step, master, actions, device, guessed, runs)
+        made, levels = unsharded_levels(step, master, actions, device, guessed, runs, placement)
         held, together = _held(made, levels)
         return figures | held, together
     assert sharding is not None
