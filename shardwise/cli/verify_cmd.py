@@ -114,7 +114,7 @@ def _verify_on_processes(
         return compare_histories([history for *_, history in per_rank], expected, rtol=rtol, atol=args.atol,
                                  metrics_at_their_dtype=args.rtol is None)
     except NotEquivalentError as err:
-        raise explained(err, reference, params, batches[0]) from None
+        raise explained(err, reference, params, batches[0], rtol) from None
 
 
 def _rank_history(target: str, mesh: Mesh) -> tuple[Any, Any, Any]:

@@ -43,11 +43,15 @@ class _Follow(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         given: Any = (args, kwargs or {})
-        if self.found is None and any(isinstance(t, Tensor) and self._is_marked(t) for t in optree.tree_leaves(given)):
+        marked = [t for t in optree.tree_leaves(given) if isinstance(t, Tensor) and self._is_marked(t)]
+        if self.found is None and marked:
+            # A cast from a finer float to a coarser one rounds; one from an exact value (a bool mask) does not.
+            finest = min((torch.finfo(t.dtype).eps for t in marked if t.is_floating_point()), default=None)
             for t in optree.tree_leaves(out):
                 if isinstance(t, Tensor):
                     self._mark(t)
-                    if t.is_floating_point() and torch.finfo(t.dtype).eps > self.eps:
+                    if t.is_floating_point() and finest is not None and torch.finfo(t.dtype).eps > finest and \
+                            torch.finfo(t.dtype).eps > self.eps:
                         self.found = (str(func.overloadpacket.__name__), t.dtype)
         return out
 

@@ -339,3 +339,41 @@ def test_the_tutorials_time_major_language_model_is_refused_under_a_cut(units: A
     with pytest.raises(sw.collectives.RankFailed, match=r"'encoder' \(TransformerEncoder of batch_first=False "
                        r"layers\) takes its sequence on dim 0.*build its layers with batch_first=True"):
         sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)
+
+
+class OwnLayer(torch.nn.Module):
+    """A user's layer in torch's stack: batch-first in, a sequence-first attention it transposes the rows around
+    (the pattern from before batch_first existed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.self_attn = torch.nn.MultiheadAttention(WIDTH, 2)
+        self.ff = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor, src_mask: Any = None, src_key_padding_mask: Any = None,
+                is_causal: bool = False) -> torch.Tensor:
+        y = x.transpose(0, 1)
+        attended, _ = self.self_attn(y, y, y, need_weights=False)
+        return x + self.ff(attended.transpose(0, 1))
+
+
+def test_a_stack_of_the_users_own_layers_is_judged_by_their_attentions() -> None:
+    # The stack's own check read its first layer's self_attn.batch_first, and refused this batch-first model
+    # (found by this session's second review); the attention inside gets (seq, rows): heard as batch-first.
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embedding = torch.nn.Embedding(50, WIDTH)
+            self.encoder = torch.nn.TransformerEncoder(OwnLayer(), 2, enable_nested_tensor=False)
+            self.linear = torch.nn.Linear(WIDTH, 50)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.linear(self.encoder(self.embedding(ids)))
+
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(50, (2 * ROWS, SEQ), generator=gen), torch.randint(50, (2 * ROWS, SEQ), generator=gen))
+               for _ in range(2)]
+    chain, params = sw.functionalize(Model().double(), example_input=batches[0][0])
+    step = sw.train_step(chain, lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()), sw.optim.sgd(0.1))
+    sw.testing.assert_equivalent(sw.shard_params(step, "dp", stage=3), step, sw.Mesh(dp=2), batches, params)

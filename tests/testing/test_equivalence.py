@@ -447,3 +447,19 @@ def test_a_float32_table_computed_from_positions_alone_is_not_named() -> None:
     assert coarser_compute(step, params, batch) is None
     upcast, upcast_params, upcast_batches = _upcasting()
     assert coarser_compute(upcast, upcast_params, upcast_batches[0]) == ("1", "_to_copy", torch.float32)
+
+    class Masked(torch.nn.Module):  # a 0/1 mask made float32 from a comparison: exact, no rounding
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * (x > 0).float().to(x.dtype)
+
+    chain, params = sw.functionalize(torch.nn.Sequential(torch.nn.Linear(4, 4), Masked()).double())
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    assert coarser_compute(step, params, batch) is None
+
+
+def test_the_float32_note_is_not_given_where_the_check_judged_at_float32s_tolerance() -> None:
+    step, params, batches = _upcasting()
+    wrong, _, _ = _upcasting(lr=1e-2 * (1 + 1e-4))  # a real error of about 1e-4: above float32's tolerance
+    with pytest.raises(NotEquivalentError) as caught:
+        sw.testing.assert_equivalent(sw.shard_params(wrong, "dp", 3), step, sw.Mesh(dp=2), batches, params, rtol=1e-5)
+    assert "float32 inside" not in str(caught.value)

@@ -41,10 +41,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import ctypes
+import random
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
 
 from ..errors import CollectiveError, CollectiveTimeout, RankFailed, RankHung
 from ..rank_end import run_rank
@@ -92,6 +96,21 @@ def _lend_the_hold() -> Iterator[None]:
 on_blocking_wait(_pass_baton)
 on_blocking_wait(_lend_the_hold)
 on_poll(_release_baton)
+
+
+def _generator_states() -> tuple[Any, ...]:
+    """torch's CPU generator's, Python's ``random``'s and numpy's global one's state (numpy where imported)."""
+    numpy = sys.modules.get("numpy")
+    return torch.get_rng_state(), random.getstate(), None if numpy is None else numpy.random.get_state()
+
+
+def _set_generator_states(states: tuple[Any, ...]) -> None:
+    cpu, python, numpy_state = states
+    torch.set_rng_state(cpu)
+    random.setstate(python)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and numpy_state is not None:
+        numpy.random.set_state(numpy_state)
 
 
 def holding_turn() -> contextlib.AbstractContextManager[None]:
@@ -205,14 +224,18 @@ class _RankThreads:
 
     @contextlib.contextmanager
     def _lent(self, rank: int) -> Iterator[None]:
-        """``rank``'s hold let go while it waits in a collective (see :func:`_lend_the_hold`), and taken back."""
+        """``rank``'s hold let go while it waits in a collective (see :func:`_lend_the_hold`), and taken back
+        with the process's random generators as it left them: the rank it let in draws from them meanwhile (its
+        own check's dropout), and this rank's check goes on drawing the masks its module drew."""
         _baton.lend = None  # (a wait inside this one lends nothing more)
+        generators = _generator_states()
         self.has_the_hold[rank] = False
         self.held_by_one.release()
         try:
             yield
         finally:
             self._take_the_hold(rank)
+            _set_generator_states(generators)
             _baton.lend = lambda: self._lent(rank)
 
     def _turn_spent(self, rank: int, now: float) -> float:

@@ -95,7 +95,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _NormBase
 
-from ...collectives.backends.current import on_rank_thread
+from ...collectives.backends.current import current_backend, on_rank_thread
 from ...collectives.backends.thread_ranks import holding_turn
 from ..torch_api import dense_where_refused, fake_run_errors
 from . import host_random
@@ -648,13 +648,13 @@ def _check_against_module(module: nn.Module, chain: Chain, params: ParamTree, x:
     try:
         _compare_outputs(expected, got)
     except FunctionalizeError as err:
-        if not (drew and on_rank_thread()):
+        if not (drew and on_rank_thread() and current_backend().world_size > 1):
             raise
         raise FunctionalizeError(
-            f"{err}. On thread ranks, which share torch's generator, this also happens where another rank draws "
-            "from it meanwhile (builds its model after its turn to run alone ran out: the module and the chain "
-            "then draw different dropout masks here): build the model before launch, or give launch a longer "
-            "timeout (a rank's turn is min(5 s, timeout / (4 * world)))"
+            f"{str(err).rstrip('.')}; or, on thread ranks, which share torch's generator: another rank drew from it "
+            "meanwhile (built its model after its turn to run alone ran out), and the module and the chain drew "
+            "different dropout masks here. If so: build the model before launch, or give launch a longer timeout (a "
+            "rank's turn is min(5 s, timeout / (4 * world)))"
         ) from None
 
 

@@ -70,11 +70,23 @@ SEQUENCE_FIRST_STACKS = (nn.TransformerEncoder, nn.TransformerDecoder)
 
 def _sequence_first(module: nn.Module) -> bool:
     if isinstance(module, SEQUENCE_FIRST_STACKS):
+        # torch's own layers only (or their stand-ins in a split): a layer of the user's may hold a sequence-first
+        # attention and transpose batch-first rows around it, where the stack's input is batch-first.
         try:
-            return module.layers[0].self_attn.batch_first is False
+            first = module.layers[0]
+            if type(first).forward not in (nn.TransformerEncoderLayer.forward, nn.TransformerDecoderLayer.forward) \
+                    and not _stands_in_for_torchs_layer(first):
+                return False
+            return first.self_attn.batch_first is False
         except (AttributeError, IndexError, TypeError):  # (layers of another kind: their attentions are heard)
             return False
     return isinstance(module, SEQUENCE_FIRST) and getattr(module, "batch_first", True) is False
+
+
+def _stands_in_for_torchs_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a split's stand-in for torch's own encoder or decoder layer (the unit it stands for is
+    not here: the stand-in keeps its type's name)."""
+    return getattr(module, "_unit_type", None) in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
 def rows_on_sequence_dim(

@@ -43,6 +43,7 @@ class UnitStub(nn.Module):
     def __init__(self, unit: nn.Module, index: int, slot: Slot, call: UnitCall, path: str = "") -> None:
         super().__init__()
         self.index, self.slot, self.path = index, slot, path
+        self._unit_type = type(unit)  # (what it stands for: sequence_first.py reads torch's own layers')
         output = call.output
         self.inner = {*unit._parameters, *unit._buffers}  # what only the unit's own call reads
         self.attributes = _plain_attributes(unit)
