@@ -59,7 +59,9 @@ def test_each_nodes_frames_are_the_ones_torch_fx_records(model: nn.Module, units
     ours = _UnitTracer(units).trace(model)
     torchs = _TorchsOwn(units).trace(model)
     ours_frames = [(n.name, _frames(n.stack_trace)) for n in ours.nodes]
-    assert ours_frames == [(n.name, _frames(n.stack_trace)) for n in torchs.nodes]
+    # (torch's keeps the frame of the tracer's call_module, which stands where fx's own stood: fx's is dropped)
+    own = os.path.join("model", "fx_split.py")
+    assert ours_frames == [(n.name, [f for f in _frames(n.stack_trace) if own not in f[0]]) for n in torchs.nodes]
     assert any(frames for _, frames in ours_frames)  # a check that compares nothing would pass too
     capture = (os.path.join("model", "fx_stack_traces.py"), os.path.join("model", "fx_split.py"), "proxy.py")
     for node in ours.nodes:  # and nothing of the capture itself

@@ -32,6 +32,9 @@ _FILES = frozenset(os.path.join(_TORCH, *path.split("/")) for path in (
     "fx/interpreter.py", "fx/proxy.py",
 )) | {"<string>"}
 _DIRECTORIES = tuple(os.path.join(_TORCH, name) + os.sep for name in ("_dynamo/polyfills", "_higher_order_ops"))
+# The tracer's own override of fx's call_module (fx_split.py: only the tracing thread's calls are traced) stands
+# where fx's frame stood, in fx/_symbolic_trace.py: dropped as that one is.
+_FILES |= {os.path.join(os.path.dirname(os.path.abspath(__file__)), "fx_split.py")}
 
 
 def stack_trace() -> str | None:
