@@ -90,12 +90,15 @@ def _stands_in_for_torchs_layer(module: nn.Module) -> bool:
 
 
 def rows_on_sequence_dim(
-    modules: list[tuple[str, nn.Module]], run_fake: Callable[[Any], Any], inputs: Any
+    modules: list[tuple[str, nn.Module]], run_fake: Callable[[Any], Any], inputs: Any,
+    unheard: list[tuple[str, nn.Module]] | None = None,
 ) -> list[tuple[str, nn.Module | None, tuple[int, ...]]]:
     """Those of ``modules`` (:func:`sequence_first_modules`), and the time-major functional calls (named as
     :func:`describe` reads them, with no module), whose input's dim 0 follows the rows of ``inputs`` (a
     micro-batch, rows on dim 0), each with the shape it got on the larger run; ``run_fake(inputs)`` runs the
-    model on fake tensors (None where it stopped: what it reached before still counts)."""
+    model on fake tensors (None where it stopped: what it reached before still counts). Those of ``modules``
+    that a run which stopped never reached (code before them reads the batch's values: ``if mask.any()``) go
+    into ``unheard``: nothing tells whether the rows reach them on dim 0."""
     one = optree.tree_map(lambda t: torch.cat([t, t[:1]]) if _batched(t) else t, inputs)
     two = optree.tree_map(lambda t: torch.cat([t, t[:1]]) if _batched(t) else t, one)
     seen: dict[str, list[tuple[int, ...]]] = {}
@@ -116,18 +119,23 @@ def rows_on_sequence_dim(
 
     handles = [module.register_forward_pre_hook(hook(path), with_kwargs=True) for path, module in modules]
     calls = _TimeMajorCalls(note)
+    stopped = False
     try:
         for rows in (one, two):
             before = {path: len(shapes) for path, shapes in seen.items()}
             with calls:
-                run_fake(rows)
+                stopped |= run_fake(rows) is None
             if not seen:
+                if stopped and unheard is not None:
+                    unheard.extend(modules)
                 return []  # nothing time-major was called: no second run
             for path in seen:  # a module (a call site) reached more than once per forward: its first call of each run
                 del seen[path][before.get(path, 0) + 1:]
     finally:
         for handle in handles:
             handle.remove()
+    if stopped and unheard is not None:
+        unheard.extend((path, module) for path, module in modules if not seen.get(path))
     found = []
     for path, module in [*modules, *((path, None) for path in seen if not any(path == p for p, _ in modules))]:
         shapes = seen.get(path, [])

@@ -19,7 +19,10 @@ still watched as before.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from ...collectives.mesh import Mesh
 from ..layout.state_layout import StateLayout
@@ -45,8 +48,24 @@ def refuse_rows_on_sequence_dim(step: Step, layout: StateLayout, mesh: Mesh | No
         cuts.append(f"{k} micro-batches")
     modules = sequence_first_modules(step.chain) if cuts else []
     if modules or (cuts and may_call_time_major(step.chain)):
+        unheard: list[tuple[str, Any]] = []
         with step.predicting(mesh):
-            found = rows_on_sequence_dim(modules, functools.partial(output_shapes, step, layout), inputs)
+            found = rows_on_sequence_dim(modules, functools.partial(output_shapes, step, layout), inputs, unheard)
+        # (not a recurrent layer: one fed a packed batch is heard at the packing, whose lengths a fake run cannot
+        # read, so its run stops there whichever way the rows go)
+        unheard = [(path, module) for path, module in unheard if not isinstance(module, torch.nn.RNNBase)]
+        if unheard and not found:
+            path, module = unheard[0]
+            what, how = describe(path, module)
+            warnings.warn(
+                f"{what} takes its sequence on dim 0, and whether the batch's rows reach it there could not be "
+                "told: the look runs the model on fake tensors, and that run stopped before the module, at code "
+                "that reads the batch's values (an `if mask.any():`). This step cuts the batch's rows "
+                f"({' x '.join(cuts)}): if the batch is time-major ((seq, batch, ...)), each part holds a slice of "
+                "every sequence and the step trains another model than the single-device step's. Give the batch "
+                f"its rows on dim 0 and {how}, or check the step with sw.testing.assert_equivalent",
+                stacklevel=2,
+            )
         if found:
             path, module, shape = found[0]
             what, how = describe(path, module)
