@@ -116,8 +116,9 @@ def _set_generator_states(states: tuple[Any, ...]) -> None:
 def holding_turn() -> contextlib.AbstractContextManager[None]:
     """Around engine code that reads the process's random generators and sets them back (``functionalize``):
     on a thread rank, the time spent inside does not count against the rank's turn, so the next rank does not
-    start its own setup (seeding torch, building a model) in the middle of it (see the module docstring).
-    Elsewhere it does nothing."""
+    start its own setup (seeding torch, building a model) in the middle of it, and ranks inside take turns (a
+    rank waiting in a collective there lets the others in; see the module docstring). Elsewhere it does
+    nothing."""
     hold = getattr(_baton, "hold", None)
     return contextlib.nullcontext() if hold is None else hold()
 

@@ -22,7 +22,13 @@ import torch
 from torch import nn
 
 _LOCK = threading.Lock()
-_OFF: list[int | bool] = [0, True]  # how many are inside; the switch as the first found it
+
+
+class _Inside:
+    """Under _LOCK: how many are inside :func:`without_fused_attention`, and the switch as the first found it."""
+
+    count = 0
+    found = True
 
 # The modules whose forward reads the switch (their own, or their layers' through them).
 TAKES_THE_FAST_PATH = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerEncoder,
@@ -38,14 +44,14 @@ def holds_fused_attention(module: nn.Module) -> bool:
 def without_fused_attention() -> Iterator[None]:
     """torch's fused attention path off inside (set back as it was found once every thread has left)."""
     with _LOCK:
-        if _OFF[0] == 0:
-            _OFF[1] = torch.backends.mha.get_fastpath_enabled()
+        if _Inside.count == 0:
+            _Inside.found = torch.backends.mha.get_fastpath_enabled()
             torch.backends.mha.set_fastpath_enabled(False)
-        _OFF[0] = int(_OFF[0]) + 1
+        _Inside.count += 1
     try:
         yield
     finally:
         with _LOCK:
-            _OFF[0] = int(_OFF[0]) - 1
-            if _OFF[0] == 0:
-                torch.backends.mha.set_fastpath_enabled(bool(_OFF[1]))
+            _Inside.count -= 1
+            if _Inside.count == 0:
+                torch.backends.mha.set_fastpath_enabled(_Inside.found)

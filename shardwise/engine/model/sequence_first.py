@@ -84,8 +84,8 @@ def _sequence_first(module: nn.Module) -> bool:
 
 
 def _stands_in_for_torchs_layer(module: nn.Module) -> bool:
-    """Whether ``module`` is a split's stand-in for torch's own encoder or decoder layer (the unit it stands for is
-    not here: the stand-in keeps its type's name)."""
+    """Whether ``module`` is a split's stand-in for torch's own encoder or decoder layer (the unit itself is not
+    here: the stand-in keeps its type, ``UnitStub._unit_type``)."""
     return getattr(module, "_unit_type", None) in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 
 
