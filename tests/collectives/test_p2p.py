@@ -437,6 +437,33 @@ def test_unwaited_sends_without_snapshot_stay_bounded_on_gloo(gloo2: Any) -> Non
     assert gloo2.run(_many_unwaited_sends, 10) == [True, [float(i) for i in range(10)]]
 
 
+def _sent_tensor_let_go(_: int) -> bool | None:
+    """A snapshot=False send, received and waited for, keeps no hold of the sent tensor: the backend kept
+    each such send's work, and with it the tensor, to the next send (a pipeline's last sends of a step, every
+    micro-batch's output and input gradient, 4 MiB a rank in tests/engine/test_plan_peak_memory.py's
+    lm_pipeline_gpipe, resident until the next step's first send)."""
+    import gc
+    import weakref
+
+    mesh = Mesh(pp=2)
+    with mesh:
+        if mesh.rank == 0:
+            x = torch.arange(4.0)
+            handle = send(x, "pp", 1, tag=5, announce=False, snapshot=False)
+            assert handle.wait() is x
+            sent = weakref.ref(x)
+            del x, handle
+            gc.collect()
+            return sent() is None
+        assert recv("pp", 0, tag=5, like=(torch.Size([4]), torch.float32)).wait().tolist() == [0.0, 1.0, 2.0, 3.0]
+        return None
+
+
+@pytest.mark.gloo
+def test_a_waited_send_without_snapshot_lets_go_of_the_sent_tensor_on_gloo(gloo2: Any) -> None:
+    assert gloo2.run(_sent_tensor_let_go, 0) == [True, None]
+
+
 def _never_received(_: int) -> None:
     mesh = Mesh(pp=2)
     with mesh:

@@ -116,7 +116,10 @@ class PointToPoint:
         # issue order), and the mailbox of messages this rank sent to itself.
         self._p2p_lock = threading.RLock()
         self._sends = _SendReaper(self)
-        self._unwaited: deque[_DeliveryWork] = deque()  # snapshot=False sends, oldest first
+        # snapshot=False sends, oldest first: their parts, not their works, which hold the sent tensor (a waited
+        # one is let go of at the next send; the work kept a pipeline's last sends, every micro-batch's output
+        # and input gradient, alive from one step to the next's first send).
+        self._unwaited: deque[_PendingSend] = deque()
         self._recv_queues: dict[tuple[int, int], deque[_DistRecvWork]] = {}
         self._self_mailbox = Mailbox()
 
@@ -155,17 +158,17 @@ class PointToPoint:
                     self._sends.add(_PendingSend(dst, tag, works, buffers))
             if snapshot:
                 return CompletedWork(x)
-            work = _DeliveryWork(self, _PendingSend(dst, tag, works, buffers), x)
-            self._unwaited.append(work)
-        return work
+            pending = _PendingSend(dst, tag, works, buffers)
+            self._unwaited.append(pending)
+        return _DeliveryWork(self, pending, x)
 
     def _limit_unwaited(self) -> None:
         """Forget the waited snapshot=False sends; past ``_MAX_UNWAITED`` pending, wait for the oldest."""
         unwaited = self._unwaited
-        while unwaited and unwaited[0].is_completed():
+        while unwaited and unwaited[0].done:
             unwaited.popleft()
         while len(unwaited) >= _MAX_UNWAITED:
-            unwaited.popleft().wait()
+            unwaited.popleft().wait(self)
 
     def recv(self, src: int, tag: int, *, like: Layout | None = None) -> Work:
         src, tag = check_p2p("recv", src, tag, self.world_size, "src")
@@ -204,8 +207,8 @@ class PointToPoint:
         """Wait (up to the timeout) until every send was received; raise if one failed."""
         with self._p2p_lock:
             unwaited, self._unwaited = list(self._unwaited), deque()
-        for work in unwaited:
-            work.wait()
+        for pending in unwaited:
+            pending.wait(self)
         if not self._sends.drain(time.monotonic() + self.timeout):
             raise CollectiveTimeout(
                 f"close on rank {self.rank} [{self.name}]: sends were still not received after "
@@ -272,42 +275,49 @@ _MAX_UNWAITED = 1024
 class _DeliveryWork(Work):
     """A ``snapshot=False`` send: ``wait()`` waits until gloo is done reading (the receiver has it).
 
-    Waited at most once (gloo's send works count their waits), by the caller, by the backend
-    when too many are pending, or by ``close()``, whichever comes first.
+    Its parts are waited for at most once (gloo's send works count their waits), by the caller, by
+    the backend when too many are pending, or by ``close()``, whichever comes first.
     """
 
     def __init__(self, backend: PointToPoint, pending: _PendingSend, x: torch.Tensor) -> None:
-        self._backend, self._x = backend, x
-        self._pending: _PendingSend | None = pending
-        self._lock = threading.Lock()
+        self._backend, self._pending, self._x = backend, pending, x
 
     def wait(self) -> torch.Tensor:
-        with self._lock:
-            pending = self._pending
-            if pending is not None:
-                try:
-                    pending.wait(self._backend)
-                finally:
-                    self._pending = None  # a failed send is reported once; gloo is done with it
+        self._pending.wait(self._backend)
         return self._x
 
     def is_completed(self) -> bool:
-        return self._pending is None
+        return self._pending.done
 
 
 class _PendingSend:
-    """A send gloo may still be reading: its works and the buffers they read."""
+    """A send gloo may still be reading: its works and the buffers they read, both let go of once
+    waited for (the buffers may be views of the caller's tensor)."""
 
-    __slots__ = ("buffers", "dst", "tag", "works")
+    __slots__ = ("_lock", "buffers", "dst", "tag", "works")
 
     def __init__(self, dst: int, tag: int, works: list[Any], buffers: list[torch.Tensor]) -> None:
-        self.dst, self.tag, self.works, self.buffers = dst, tag, works, buffers
+        self.dst, self.tag = dst, tag
+        self.works: list[Any] | None = works
+        self.buffers: list[torch.Tensor] | None = buffers
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self.works is None
 
     def wait(self, backend: PointToPoint) -> None:
-        """Wait until gloo is done with every part (within the backend timeout); raise if one failed."""
-        deadline = time.monotonic() + backend.timeout
-        for work in self.works:
-            backend._wait_p2p(work, deadline, "send to", self.dst, self.tag)
+        """Wait until gloo is done with every part (within the backend timeout); raise if one failed.
+        Once: a later call returns at once (a failure is reported once; gloo is done with it)."""
+        with self._lock:
+            if self.works is None:
+                return
+            try:
+                deadline = time.monotonic() + backend.timeout
+                for work in self.works:
+                    backend._wait_p2p(work, deadline, "send to", self.dst, self.tag)
+            finally:
+                self.works = self.buffers = None
 
 
 class _SendReaper:

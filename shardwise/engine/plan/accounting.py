@@ -92,7 +92,7 @@ class KeptParts(NamedTuple):
     loss: LossMemory | None = None  # with ``loss=``: what the loss holds of the chain's output (loss_memory.py)
     # With ``backward=True``, on fake tensors, per layer: the most its backward holds at once beyond what it
     # keeps (the gradients it makes on the way, a recomputation's activations), its weights' gradients left
-    # out (``_backward_peak``).
+    # out (``_backward_peak``; below 0 where they are made after what it kept was freed).
     in_backward: Mapping[str, int] = MappingProxyType({})
     # The layers whose backward could not run on fake tensors (it reads a value): their ``in_backward`` is 0.
     backward_unknown: tuple[str, ...] = ()
@@ -287,7 +287,8 @@ def _backward_peak(
     storages in ``counted`` of it: the list is emptied, so that autograd frees each as its backward is done
     with it) and its outputs' gradients, seeded with gradients of the outputs' shapes: the gradients it makes
     on the way (of its intermediates, of its input), a recomputation's activations (remat's), less its
-    weights' gradients, which the Plan counts as made at that backward already. 0 on real tensors (no memory
+    weights' gradients, which the Plan counts as made at that backward already: below 0 where its most comes before
+    they are all made, what it kept freed by then (an embedding's gradient, made last). 0 on real tensors (no memory
     is spent to predict it)."""
     outputs = [t for t in optree.tree_leaves(y) if isinstance(t, torch.Tensor) and t.requires_grad]
     if not outputs or not all(is_fake(t) for t in outputs):
@@ -307,7 +308,7 @@ def _backward_peak(
         made = sum({storage_key(g): g.untyped_storage().nbytes() for g in grads[len(wrt) - len(weights):]
                     if g is not None}.values())
         del grads
-    return max(seen.peak - start - made, 0)
+    return seen.peak - start - made
 
 
 def _as_input_leaves(x: Any, kept: Mapping[int, int]) -> dict[int, int] | None:

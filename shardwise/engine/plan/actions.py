@@ -222,10 +222,12 @@ class Plan:
     made so far hold together at one action. With a batch, ``kept_for_backward`` (what the layers
     keep for backward, with the micro-batches in flight) and ``loss_buffers`` (what the loss holds at
     its worst on the ranks that run it: the chain's output while it runs, what it keeps for its
-    backward, per micro-batch in flight, and its backward's gradients down to the output's). ``peak``
-    is ``params`` and ``opt_state``, and the most that ``held_in_step``'s parts, what the forward and
-    the loss keep, and the loss's own (and a layer's backward's, as it runs) hold together at one
-    action: at most the sum of those figures, which come at different actions. ``layers``
+    backward, per micro-batch in flight, and its backward's gradients down to the output's); in a
+    pipeline ``transfer_buffers`` (the receives posted ahead of their waits, the stage outputs sent, to
+    their backwards, and the input gradients sent, until a message from the peer shows them delivered).
+    ``peak`` is ``params`` and ``opt_state``, and the most that ``held_in_step``'s parts, what the forward
+    and the loss keep, the transfers, and the loss's own (and a layer's backward's, as it runs) hold
+    together at one action: at most the sum of those figures, which come at different actions. ``layers``
     says how the rewriting transforms run each layer (its compute dtype, its
     remat policy), in the stack's words.
     """

@@ -26,7 +26,7 @@ Parameters come from a :class:`ParamSource`: the compute copies, or ZeRO-3
 shards gathered unit by unit into flat buffers that ``free`` really releases
 (and a later gather refills in place: earlier graphs hold views of them, as in
 FSDP). Transfers between pipeline ranks go through ``send``/``recv`` with the
-peers the Plan names; every receive of the step is posted at the first one.
+peers the Plan names; each receive is posted a few receives before its wait.
 The one :class:`Executor` is this module's dispatch and forward, with mixins
 for the rest: ``stage_backward.py`` (B, I, W), ``loss_action.py``, ``zero.py``
 (ZeRO's gathers, frees and reductions), ``transfers.py`` (the pipeline's sends
@@ -252,6 +252,8 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # Stages 1-2 (plan/lower.py: gathers_into_params): each bucket's gathered parameters copied into
     # the ones the step was given, instead of handed on beside them.
     into_params: bool = False
+    # per receive of a pipeline rank, the gradient sends it proves delivered (send_delivery.py)
+    sends_delivered_by: Mapping[tuple[str, int, int], tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     # -- per-step working state -------------------------------------------------------------
     device: torch.device = field(init=False)
     _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters
@@ -276,7 +278,9 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     _input_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     _inbox: dict[tuple[str, int, int], Any] = field(default_factory=dict)
     _sends: list[Handle] = field(default_factory=list)
+    _sent: dict[tuple[str, int, int], list[Handle]] = field(default_factory=dict)  # TransferActions._sent
     _posted: dict[tuple[str, int, int], list[Handle]] | None = None
+    _to_post: list[Action] = field(default_factory=list)  # TransferActions._to_post
     _tied_parts: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)
     _local_metrics: torch.Tensor | None = None
     _metrics_total: torch.Tensor | None = None

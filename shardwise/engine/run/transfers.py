@@ -1,8 +1,14 @@
 """The executor's pipeline actions: activations and gradients between stages on different ranks,
 and the gradients of weights tied across pipeline ranks.
 
-Every receive of the step is posted at the rank's first one, so transfers land
-while it computes. With the stage boundaries predicted for each micro-batch (``engine/plan/predict.py``),
+A rank's receives are posted ``RECEIVES_AHEAD`` ahead of their waits, in the order it waits for them, so
+transfers land while it computes (gloo moves a message only once its receive is posted). Every receive of
+the step was posted at the rank's first: a buffer per micro-batch each way from there, a middle rank of a
+1F1B of 32 micro-batches 2x its peak at 4 (the activations 1F1B bounds were not the most it held). A send
+is let go of once it is known delivered: a stage output's when its gradient comes back (the peer
+computed from it); an input gradient's at the first receive from that peer that its schedule sends
+after taking the gradient (``send_delivery.py``), else at ``wait_sends``. With the
+stage boundaries predicted for each micro-batch (``engine/plan/predict.py``),
 each tensor travels bare and the receiver rebuilds the stage output's pytree;
 otherwise a header goes first: the count, and the structure of an output that is not a tensor or a
 flat tuple of them (``wire_structure``). A mixin of
@@ -11,7 +17,7 @@ flat tuple of them (``wire_structure``). A mixin of
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import optree
@@ -38,6 +44,9 @@ def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int 
 
 
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
+# How many of a rank's receives are posted at once, the next one waited for among them: enough that the next
+# micro-batch's activation and gradient land during this one's computes; each holds its buffer from there.
+RECEIVES_AHEAD = 4
 
 
 def _check_predicted(
@@ -133,8 +142,11 @@ class TransferActions:
     _outputs: dict[tuple[int, int], Any]
     _input_grads: dict[tuple[int, int], list[torch.Tensor]]
     _inbox: dict[tuple[str, int, int], Any]
-    _sends: list[Handle]
+    _sends: list[Handle]  # the tied weights' gradient sends
+    _sent: dict[tuple[str, int, int], list[Handle]]  # the activation and gradient sends not let go of yet
     _posted: dict[tuple[str, int, int], list[Handle]] | None
+    _to_post: list[Action]  # the receives not posted yet, the next last
+    sends_delivered_by: Mapping[tuple[str, int, int], tuple[tuple[str, int, int], ...]]
     _actions: Sequence[Action]
     _tied_parts: dict[int, dict[int, torch.Tensor]]
     _leaves: dict[tuple[str, str], torch.Tensor]
@@ -167,14 +179,15 @@ class TransferActions:
         known = self.boundaries is not None
         if len(leaves) >= 1 << 10:
             raise ValueError(f"stage {s} passes {len(leaves)} tensors on; a transfer carries at most 1023")
+        handles = self._sent.setdefault((kind, s, m), [])
         if not known:  # the receiver learns how many tensors follow, and what they are rebuilt into
             structure = None if kind == "grad" or _flat(value) else spec
             header = wire_structure.encode(len(leaves), structure)  # host-side control data
-            self._sends.append(send(header, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
+            handles.append(send(header, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
             # No snapshot: nothing modifies a stage output or an input gradient in place once made,
-            # and wait_sends waits for every send (by then the peers have posted their receives).
-            self._sends.append(
+            # and each send is waited for (by then the peers have posted their receives).
+            handles.append(
                 send(leaf.detach(), axis, dst, tag=tag_of(kind, s, m, mb, i), announce=not known, snapshot=False,
                      mesh=self.mesh)
             )
@@ -193,30 +206,38 @@ class TransferActions:
         return boundary.leaves if kind == "activation" else boundary.grad_leaves()
 
     def _post_receives(self) -> None:
-        """Post every receive of the step, so transfers land while this rank computes (gloo moves a
-        message only once its receive is posted). With predicted layouts every tensor is received
-        as it is; otherwise the count and the first tensor (a transfer has at least one)."""
-        mb = len(self.microbatches)
+        """Post the step's first ``RECEIVES_AHEAD`` receives (see the module docstring)."""
         self._posted = {}
-        for action in self._actions:
-            if action.kind not in (RECV_ACTIVATION, RECV_GRAD):
-                continue
-            kind, producer, m = self._source_of(action)
-            axis, src = action.require("axis"), action.require("peer")
-            if self.boundaries is not None:
-                self._posted[(kind, producer, m)] = [
-                    recv(axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, device=self.device, mesh=self.mesh)
-                    for i, like in enumerate(self._expected(kind, producer, m), start=1)
-                ]
-            else:
-                self._posted[(kind, producer, m)] = [
-                    recv(axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
-                    recv(axis, src, tag=tag_of(kind, producer, m, mb, 1), device=self.device, mesh=self.mesh),
-                ]
+        self._to_post = [a for a in reversed(self._actions) if a.kind in (RECV_ACTIVATION, RECV_GRAD)]
+        for _ in range(RECEIVES_AHEAD):
+            self._post_next()
+
+    def _post_next(self) -> None:
+        """Post the next receive, if one is left. With predicted layouts every tensor is received as it is;
+        otherwise the count and the first tensor (a transfer has at least one)."""
+        if not self._to_post:
+            return
+        assert self._posted is not None
+        action = self._to_post.pop()
+        mb = len(self.microbatches)
+        kind, producer, m = self._source_of(action)
+        axis, src = action.require("axis"), action.require("peer")
+        if self.boundaries is not None:
+            self._posted[(kind, producer, m)] = [
+                recv(axis, src, tag=tag_of(kind, producer, m, mb, i), like=like, device=self.device, mesh=self.mesh)
+                for i, like in enumerate(self._expected(kind, producer, m), start=1)
+            ]
+        else:
+            self._posted[(kind, producer, m)] = [
+                recv(axis, src, tag=tag_of(kind, producer, m, mb), mesh=self.mesh),
+                recv(axis, src, tag=tag_of(kind, producer, m, mb, 1), device=self.device, mesh=self.mesh),
+            ]
 
     def receive(self, action: Action) -> None:
         if self._posted is None:
             self._post_receives()
+        else:  # the one RECEIVES_AHEAD on from this one
+            self._post_next()
         assert self._posted is not None
         kind, producer, m = self._source_of(action)
         posted = self._posted.pop((kind, producer, m))
@@ -237,6 +258,7 @@ class TransferActions:
             ]
         if kind == "grad":
             value: Any = leaves
+            self._let_go(("activation", action.require("stage"), m))  # the peer computed from it: delivered
         elif self.boundaries is not None:  # the stage output as it was made: a dict, a ModelOutput, ...
             value = optree.tree_unflatten(self.boundaries[m][producer].spec, leaves)
         elif structure is not None:  # unpredicted, and not flat: its structure came with it
@@ -244,9 +266,17 @@ class TransferActions:
         else:
             value = leaves[0] if len(leaves) == 1 else tuple(leaves)
         self._inbox[(kind, action.require("stage") if kind == "activation" else producer, m)] = value
+        for sent in self.sends_delivered_by.get((kind, action.require("stage"), m), ()):
+            self._let_go(sent)
+
+    def _let_go(self, key: tuple[str, int, int]) -> None:
+        for handle in self._sent.pop(key, ()):
+            handle.wait()
 
     def wait_sends(self, action: Action) -> None:
-        for handle in self._sends:  # delivered: the peers posted every receive at their first one
+        for key in list(self._sent):  # delivered: the peers post every receive of this step in theirs
+            self._let_go(key)
+        for handle in self._sends:
             handle.wait()
         self._sends.clear()
 

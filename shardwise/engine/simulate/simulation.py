@@ -15,8 +15,8 @@ The model, and what it assumes:
   two-level model prices a group within one node by its own figures, one spanning
   nodes by its ``inter`` figures.
 * A send is delivered its transfer time after it is issued (the executor posts
-  every receive of the step at the first one, so no message waits for its
-  receive); a receive ends no earlier than that, plus its own cost. A send of
+  each receive ``RECEIVES_AHEAD`` receives before its wait, taken as in time: no
+  message waits for its receive); a receive ends no earlier than that, plus its own cost. A send of
   several tensors (a Hugging Face layer's output and its position embeddings)
   puts them on the wire to its one peer back to back: one latency, all their
   bytes. A collective of several tensors runs one collective per tensor. Sends and

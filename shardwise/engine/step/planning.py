@@ -23,7 +23,7 @@ from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
 from ..optim.meta_like import meta_like
-from ..plan.accounting import predict_kept_parts
+from ..plan.accounting import KeptParts, predict_kept_parts
 from ..plan.actions import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -58,12 +58,14 @@ from ..plan.lower import (
     stage_needs,
     wire_of,
 )
+from ..run.send_delivery import grad_sends_delivered
 from ..run.wide_grads import summed_in
 from ..stack.compose import SPLIT, rewrites_in_order, sums_over_batch
 from .batch_cut import batch_multiple, rank_share
 from .held_levels import copies_to_reductions, shard_copy_levels, unsharded_levels, update_levels
 from .param_groups import master_runs
 from .rank_boundaries import classes_by_boundaries
+from .transfer_levels import transfer_levels
 
 if TYPE_CHECKING:
     from .step import Step
@@ -250,8 +252,19 @@ def _memory(
         guessed.update(BACKWARD_UNKNOWN + layer for layer in kept.backward_unknown)
         loss_at = {}
         for c in masters:
-            kept_at[c], loss_at[c] = _kept_levels(actions[c], placement, kept)
+            grads_of = None
+            if step.pipeline_spec is not None and step.sharding_spec is None:  # (held_levels.unsharded_levels')
+                grads_of = {layer: sum(t.numel() * compute_dtype(step.precision, layer, t.dtype).itemsize
+                                       for t in tensors.values()) for layer, tensors in masters[c].items()}
+            kept_at[c], loss_at[c] = _kept_levels(actions[c], placement, kept, grads_of)
         memory["loss_buffers"] = tuple(max(loss_at[c], default=0) for c in class_of)
+        if step.pipeline_spec is not None:  # a pipeline's transfers, beside what the stages keep
+            rank_of = {c: class_of.index(c) for c in masters}
+            transfers = {c: transfer_levels(actions[c], kept.own_output, grad_sends_delivered(
+                layouts[c].schedule, placement.index_of(mesh, rank_of[c]))) for c in masters}
+            memory["transfer_buffers"] = tuple(max(transfers[c], default=0) for c in class_of)
+            for c in masters:
+                kept_at[c] = [k + t for k, t in zip(kept_at[c], transfers[c], strict=True)]
     # The peak: the state at rest, and the most that the gradients made so far and the buffers
     # (``held_in_step``'s levels: under shard_params the shards made so far, the units gathered, the
     # gradients on their way to a reduction and the collectives' copies; the update's allocations, the
@@ -284,7 +297,7 @@ _BACKWARD_UNKNOWN = ("its backward could not run on fake tensors (it reads a val
 # The figures that come and go as the actions run, each its own peak: the Plan's peak counts instead
 # the most they hold together at one action (``held_in_step``).
 _COME_AND_GO = ("gathered_peak", "reduce_buffers", "comm_buffers", "replica_buffers", "update_buffers",
-               "params_in_flight", "master_shards", "compute_copies", "grad_accumulation")
+               "params_in_flight", "master_shards", "compute_copies", "grad_accumulation", "transfer_buffers")
 
 
 def _class_memory(
@@ -646,9 +659,13 @@ class _Kept(NamedTuple):
     backward_unknown: tuple[str, ...]
     recorded: list[int]
     recorded_output: list[int]
+    own_output: list[int]  # per stage, the bytes of its output its last layer keeps itself (in ``held``)
+    parts: KeptParts  # per layer, what the figures above sum (``_first_backward_relief``)
 
 
-def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -> tuple[list[int], list[int]]:
+def _kept_levels(
+    actions: Sequence[Action], placement: Placement, kept: _Kept, grads_of: Mapping[str, int] | None = None,
+) -> tuple[list[int], list[int]]:
     """At each action, what the forward and the loss keep for backward, the loss's own as it runs beside;
     and the loss's part of that. A stage's figure is held from its forward of a micro-batch to that
     micro-batch's backward (its weight pass, when the backward is split: it still needs the stage's
@@ -657,8 +674,10 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
     loss and at that backward, which starts from the loss (the output's gradient is made there); a stage's
     ``in_backward`` at its backward, after the loss's there; a zero-bubble input pass's records from that
     I to its W (they are made there: counted from the forward, zb_h1's last rank was planned 1.18x its
-    measured peak)."""
+    measured peak). With ``grads_of`` (per layer, the bytes of its weights' gradients, which ``held_in_step``
+    counts whole from a stage's first backward on), that backward's figure less ``_first_backward_relief``."""
     live = loss_live = 0
+    backed: set[int] = set()  # the stages whose first backward ran
     of_batch: dict[int, int] = {}
     pending: set[int] = set()  # the micro-batches whose loss ran and whose last stage's backward has not
     levels, loss_levels = [], []
@@ -678,6 +697,12 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
             s = action.require("stage")
             last = s == placement.last and action.mb in pending
             extra = kept.in_backward[s]
+            relief = before_grads = 0
+            if grads_of is not None and action.kind == BACKWARD and s not in backed:
+                relief = _first_backward_relief(placement.stages[s], kept.parts, grads_of)
+                before_grads = sum(grads_of.get(n, 0) for n in placement.stages[s])  # the loss's runs before them
+            if action.kind != BACKWARD_INPUT:
+                backed.add(s)
             if action.kind == BACKWARD_INPUT:  # made by this pass, held to the W
                 later = kept.recorded_output[s]  # (at the I, its gradients' figures count it)
                 live += kept.recorded[s] - later
@@ -687,8 +712,10 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
                 # First the loss's backward, beside all it keeps; then the layers', the output's gradient held and
                 # the loss's kept bytes freed (a zero-bubble input pass keeps its graph, theirs too, for the W).
                 freed = kept.loss.kept if action.kind == BACKWARD else 0
-                extra = max(kept.loss.extra, kept.loss.grads - freed + extra)
+                extra = max(kept.loss.extra - before_grads, kept.loss.grads - freed + extra - relief)
                 loss_extra = max(kept.loss.extra, kept.loss.grads - freed)
+            else:
+                extra -= relief
             if action.kind != BACKWARD_INPUT:
                 after += kept.held[s]
                 if last:
@@ -698,6 +725,27 @@ def _kept_levels(actions: Sequence[Action], placement: Placement, kept: _Kept) -
         loss_levels.append(loss_live + loss_extra)
         live += later - after
     return levels, loss_levels
+
+
+def _first_backward_relief(layers: Sequence[str], parts: KeptParts, grads_of: Mapping[str, int]) -> int:
+    """What a stage's first backward holds less than every weight's gradient beside all its layers keep and its
+    largest ``in_backward``: autograd makes a layer's gradients at that layer's backward, by which time the layers
+    after it freed what they kept (less the output a layer keeps itself, a ReLU's, held to its own backward), and
+    within a layer as its backward reaches them (``in_backward`` below 0). Counted at once, GPipe's first rank, an
+    embedding's gradient (2 MiB, made last) beside its block's activations, was planned 1.03x its measured peak
+    (tests/engine/test_plan_peak_memory.py). Its layers' own weights only: a tied weight's gradient stays counted
+    whole."""
+    own = [parts.own.get(n, 0) for n in layers]
+    grads = [grads_of.get(n, 0) for n in layers]
+    in_backward = [parts.in_backward.get(n, 0) for n in layers]  # (below 0: see KeptParts.in_backward)
+    most = None
+    for i, name in enumerate(layers):
+        freed = max(sum(own[i + 1:]) - parts.kept_outputs.get(name, (0, 0, 0))[0], 0)
+        at = in_backward[i] + sum(grads[i:]) - freed
+        most = at if most is None else max(most, at)
+    if most is None:
+        return 0
+    return max(max(max(in_backward), 0) + sum(grads) - most, 0)
 
 
 def _kept_per_rank(
@@ -733,7 +781,7 @@ def _kept_per_rank(
     # A stage's backward holds the gradient of its output beside its own: the next stage's backward made it (a
     # ReLU's, 32 MiB beside a Linear's input gradient and its own result, in a plain MLP); the last stage's is the
     # loss's (``loss.grads``).
-    in_backward = [max((parts.in_backward.get(n, 0) for n in layers), default=0)
+    in_backward = [max((max(parts.in_backward.get(n, 0), 0) for n in layers), default=0)
                    + (0 if s == placement.last else parts.kept_outputs.get(layers[-1], (0, 0, 0))[2])
                    for s, layers in enumerate(placement.stages)]
     # A layer's output that it keeps itself (a ReLU's result) is held to its backward; where the next layer, on
@@ -749,8 +797,9 @@ def _kept_per_rank(
                                   if i > 0 or (s > 0 and placement.stage_rank[s - 1] == placement.stage_rank[s]) else 0)
                                for i, n in enumerate(layers))
             for s, layers in enumerate(placement.stages)]
+    own_output = [parts.kept_outputs.get(layers[-1], (0, 0, 0))[0] for layers in placement.stages]
     return _Kept(per_rank, held, in_backward, parts.batch, parts.loss, parts.stand_ins, parts.backward_unknown,
-                 recorded, recorded_output)
+                 recorded, recorded_output, own_output, parts)
 
 
 def _batch_bytes(of_batch: Mapping[str, Mapping[int, int]], layers: Sequence[str]) -> int:

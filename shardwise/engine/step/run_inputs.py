@@ -45,6 +45,7 @@ from ..run.metrics import MetricExchange, Summed, batch_fingerprint, different_b
 from ..run.own_loss_count import OwnCount, own_count_of
 from ..run.param_source import ParamSource
 from ..run.rng import mix
+from ..run.send_delivery import Key, grad_sends_delivered
 from ..run.step_end import ReplicaCheck
 from ..run.wide_grads import summed_in
 from ..stack import in_layer
@@ -80,6 +81,8 @@ class RankRun:
     replicas: Mapping[str, ReplicaCheck]  # per split axis, the gradients that must agree over it
     rng_rank: int | None  # the rank whose random streams this one draws (None: its own)
     into_params: bool  # ZeRO-1/2 gathers into the parameters it was given (as ``actions`` lists it)
+    # A pipeline's receives, and the gradient sends each proves delivered (run/send_delivery.py)
+    sends_delivered_by: Mapping[Key, tuple[Key, ...]]
 
 
 def rank_run(step: Step, layout: StateLayout, mesh: Mesh | None, device: torch.device) -> RankRun:
@@ -130,6 +133,7 @@ def _make_rank_run(
             for r in split.replica_checks(step.base_chain)
         },
         rng_rank=split.rng_rank(mesh),
+        sends_delivered_by={} if layout.schedule is None else grad_sends_delivered(layout.schedule, index),
     )
 
 
@@ -272,7 +276,7 @@ def prepare_run(step: Step, state: TrainState, layout: StateLayout, batch: Any) 
         finalize=lambda grads: unscale_like(grads, master, scale), update=update,
         master=master, held=state.params, grad_scale=scale, reduce_dtypes=run.reduce_dtypes,
         accumulate_dtypes=run.accumulate_dtypes if len(micro) > 1 else None,
-        into_params=run.into_params,
+        into_params=run.into_params, sends_delivered_by=run.sends_delivered_by,
         metric_dtype=layout.metric_dtype, exchange=run.exchange, metric_axes=run.metric_axes,
         replica_layers=run.replica_layers,
         boundaries=None if pipe is None else _boundaries(step, layout, micro, mesh),
