@@ -45,6 +45,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
+from shardwise.testing.memory import LIVE_MALLOC, status_bytes
 from shardwise.testing.models import TinyGPT
 
 T = TypeVar("T")
@@ -85,29 +86,41 @@ def add_out_flag(parser: argparse.ArgumentParser) -> None:
 # mixes. "steady" fixes both thresholds high for the rank processes (glibc's documented
 # environment tunables), so neither library's step pays for the heap's history.
 STEADY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(256 << 20), "MALLOC_TRIM_THRESHOLD_": str(256 << 20)}
-MALLOC_MODES = ("default", "steady")
+# "live" fixes both low (the memory tests' and benchmarks/memory.py's LIVE_MALLOC): a freed block goes back at
+# once, so RSS follows live memory and a step's peak above its starting RSS is what it holds at its most (a
+# benchmark's ``step_peak_mib``); every step pays the page faults of what it allocates.
+MALLOC_ENVS = {"steady": STEADY_MALLOC, "live": LIVE_MALLOC}
+MALLOC_MODES = ("default", *MALLOC_ENVS)
 
 
 def add_malloc_flag(parser: argparse.ArgumentParser) -> None:
-    """``--malloc default|steady``: glibc's malloc as it comes, or with fixed thresholds (:data:`STEADY_MALLOC`)."""
+    """``--malloc default|steady|live``: glibc's malloc as it comes, or with fixed thresholds (:data:`MALLOC_ENVS`)."""
     parser.add_argument("--malloc", choices=MALLOC_MODES, default="default",
-                        help="glibc malloc in the rank processes: 'default' (as it comes) or 'steady' (mmap "
+                        help="glibc malloc in the rank processes: 'default' (as it comes), 'steady' (mmap "
                              "and trim thresholds fixed at 256 MB: no step pays page faults for memory an "
-                             "earlier step gave back to the OS)")
+                             "earlier step gave back to the OS) or 'live' (both at 128 KiB: freed memory goes "
+                             "back at once, so RSS follows live memory; where a benchmark reports a step's peak "
+                             "memory)")
 
 
 @contextlib.contextmanager
 def malloc_mode(mode: str) -> Iterator[None]:
     """Rank processes started inside get ``mode``'s malloc environment (glibc reads it at start)."""
-    saved = {key: os.environ.pop(key, None) for key in STEADY_MALLOC}
-    if mode == "steady":
-        os.environ.update(STEADY_MALLOC)
+    keys = {key for env in MALLOC_ENVS.values() for key in env}
+    saved = {key: os.environ.pop(key, None) for key in keys}
+    os.environ.update(MALLOC_ENVS.get(mode, {}))
     try:
         yield
     finally:
-        for key in STEADY_MALLOC:
+        for key in keys:
             os.environ.pop(key, None)
         os.environ.update({key: old for key, old in saved.items() if old is not None})
+
+
+def malloc_now() -> str:
+    """The mode whose environment is set for the ranks started now (see :func:`malloc_mode`)."""
+    return next((mode for mode, env in MALLOC_ENVS.items() if all(os.environ.get(k) == v for k, v in env.items())),
+                "default")
 
 
 # -- output --------------------------------------------------------------------------------
@@ -119,15 +132,15 @@ def environment(threads_per_rank: int | None = None, keys: Iterable[str] = ENV_K
 
     ``cores`` (``os.cpu_count()``), ``loadavg_1m`` (the machine's 1-minute load
     average: well above ``cores`` means something else was running),
-    ``threads_per_rank`` (only when given), ``malloc`` (``steady`` when
-    :data:`STEADY_MALLOC` is set for the ranks, else ``default``), ``torch`` and
+    ``threads_per_rank`` (only when given), ``malloc`` (``steady`` or ``live`` when
+    that mode's :data:`MALLOC_ENVS` is set for the ranks, else ``default``), ``torch`` and
     ``shardwise`` (versions).
     ``keys`` keeps only those of them.
     """
     values: dict[str, Any] = {
         "cores": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 2),
-        "malloc": "steady" if all(os.environ.get(k) == v for k, v in STEADY_MALLOC.items()) else "default",
+        "malloc": malloc_now(),
         "torch": torch.__version__,
         "shardwise": sw.__version__,
     }
@@ -199,6 +212,15 @@ def run_on_ranks(pool: ProcessPool, fn: Callable[..., T], *args: Any, label: str
 
 
 # -- timing inside a rank ----------------------------------------------------------------------
+def reset_peak_rss() -> int:
+    """Reset this process's high-water mark (VmHWM) to its resident size now, and return that size (bytes):
+    ``status_bytes("VmHWM")`` minus it is then the most held above it since (no collection first, as
+    ``shardwise.testing.memory.PeakRSS`` makes: this runs inside timed steps)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return status_bytes("VmRSS")
+
+
 def minor_faults() -> int:
     """Minor page faults of this process so far (``getrusage``; a spawned child counts its own)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -102,7 +102,11 @@ One JSON object per (model, world, schedule, impl) on stdout (and in ``--out``):
   the rank's threads) of a timed step. With more ranks than cores the ranks
   share the CPU, so the step time follows the total CPU time as much as the
   critical path.
-* ``malloc``: ``default``, or ``steady`` with ``--malloc steady``, which starts the
+* ``step_peak_mib`` (with ``--malloc live`` only): per rank, the median over the timed steps of the
+  most the step held above the RSS it started with (VmHWM, reset before the step), glibc giving freed
+  memory back at once: what the schedule holds at its most (activations, transfers, gradients, the
+  update's temporaries), the parameters and optimizer state at rest left out.
+* ``malloc``: ``default``, ``live`` (see ``step_peak_mib``), or ``steady`` with ``--malloc steady``, which starts the
   ranks with glibc's mmap and trim thresholds fixed (``_common.STEADY_MALLOC``).
   By default glibc moves them with the process's history, and a step may refault
   memory an earlier step freed; which library pays depends on where both
@@ -135,6 +139,7 @@ from _common import (
     environment,
     loss_fn_of,
     make_batches,
+    malloc_now,
     max_rel_diff,
     median_of_max,
     minor_faults,
@@ -143,6 +148,7 @@ from _common import (
     profile_steps,
     reference_losses,
     rel_diff,
+    reset_peak_rss,
     round_robin,
     run_on_ranks,
     seeded_model,
@@ -155,6 +161,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.collectives.backends.processes import ProcessPool
+from shardwise.testing.memory import status_bytes
 from shardwise.testing.models import TinyGPT
 from shardwise.transforms.pipeline import Costs, Timeline, get_schedule, simulate
 
@@ -321,13 +328,15 @@ class TorchPipe:
 
     def step(self, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
         x, y = batch
-        self.opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         args = (x,) if self.first else ()
         kwargs: dict[str, Any] = {"target": y, "losses": losses} if self.last else {}
         self.events.append([])
         self.schedule.step(*args, return_outputs=False, **kwargs)
         self.opt.step()
+        # Freed here, not at the next step's start: between steps neither library holds gradients, so that a
+        # step's peak above its starting RSS (``step_peak_mib``) counts torch's as it counts ours.
+        self.opt.zero_grad(set_to_none=True)
         return torch.stack([loss.detach() for loss in losses]).mean() if self.last else None
 
     def _time_computes(self, pipe_stage: Any, rank: int) -> None:
@@ -393,12 +402,19 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
     faults: dict[str, list[int]] = defaultdict(list)
     cpu: dict[str, list[float]] = defaultdict(list)
 
+    peaks: dict[str, list[int]] = defaultdict(list)
+    live = malloc_now() == "live"  # (the figure follows live memory only there; elsewhere not measured)
+
     def counted_step(name: str, i: int, batch: Any) -> Any:
         before, cpu_before = minor_faults(), time.process_time()
+        if live:
+            resident = reset_peak_rss()
         out = runners[name].step(batch)
         if i >= cfg.warmup:
             faults[name].append(minor_faults() - before)
             cpu[name].append(time.process_time() - cpu_before)
+            if live:
+                peaks[name].append(status_bytes("VmHWM") - resident)
         return out
 
     times, outputs = round_robin(runners, batches, cfg.warmup, counted_step)
@@ -408,6 +424,7 @@ def bench_rank(cfg: Config) -> dict[str, Any]:
         "times": times,
         "faults": dict(faults),
         "cpu": dict(cpu),
+        "peaks": dict(peaks),
         "losses": losses,
         "events": {name: r.events[cfg.warmup:] for name, r in runners.items()},
         "skipped": skipped,
@@ -530,6 +547,8 @@ def rows_for(cfg: Config, per_rank: list[dict[str, Any]], ref: list[float]) -> l
                 "min_step_s": round(min(slowest_per_step(r["times"][name] for r in per_rank)), 5),
                 "minor_faults_per_step": [int(statistics.median(r["faults"][name])) for r in per_rank],
                 "cpu_ms_per_step": [round(1e3 * statistics.median(r["cpu"][name]), 2) for r in per_rank],
+                **({"step_peak_mib": [round(statistics.median(r["peaks"][name]) / 2**20, 2) for r in per_rank]}
+                   if first["peaks"] else {}),
                 "ratio_to_torch": round(medians[name] / reference, 3) if reference else None,
                 "paired_ratio_to_torch": round(paired_ratio_median(
                     [r["times"][name] for r in per_rank], [r["times"][torch_name] for r in per_rank]

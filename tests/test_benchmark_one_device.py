@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -29,3 +30,18 @@ def test_one_device_step_and_torch_loop_give_the_same_losses(capsys: pytest.Capt
         assert row["max_rel_loss_diff"] == 0.0, row
         assert row["cpu_ms_torch"] > 0 and row["cpu_ms_shardwise"] > 0 and len(row["cpu_ratios"]) == 2
         assert row["mlp_hidden"] == 16 and row["paired_steps"] == 3 and row["paired_cpu_ratio"] > 0
+
+
+@pytest.mark.parametrize("mode", ["default", "steady", "live"])
+def test_a_malloc_mode_sets_the_ranks_environment_and_is_read_back(monkeypatch: pytest.MonkeyPatch,
+                                                                   mode: str) -> None:
+    """``--malloc``: the environment rank processes start with, and what ``environment()`` reports; undone after."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _common
+
+    for key in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        monkeypatch.delenv(key, raising=False)
+    with _common.malloc_mode(mode):
+        assert _common.malloc_now() == mode == _common.environment()["malloc"]
+        assert {k: os.environ[k] for k in _common.MALLOC_ENVS.get(mode, {})} == _common.MALLOC_ENVS.get(mode, {})
+    assert _common.malloc_now() == "default" and "MALLOC_MMAP_THRESHOLD_" not in os.environ
