@@ -55,6 +55,7 @@ def send(
     tag: int = 0,
     announce: bool = True,
     snapshot: bool = True,
+    bounded: bool = True,
     mesh: Mesh | None = None,
 ) -> Handle:
     """Send ``x`` to the rank at index ``dst`` of ``axis``; ``.wait()`` returns ``x``.
@@ -70,7 +71,11 @@ def send(
     ``wait()`` may block until the receiver has the message (on
     torch.distributed it does, as ``dist.isend``'s wait; post your own
     receives first). The receiver still gets a tensor of its own. Not
-    differentiable.
+    differentiable. A backend holding such sends until they are waited for
+    waits for the oldest itself once many (1024 on torch.distributed) are
+    pending; ``bounded=False`` turns that off where the caller waits for every
+    send and the peer may post a receive only after one from this rank (a
+    pipeline's, whose receives are posted a few ahead of their waits).
 
     A tensor on a device the backend's messages cannot travel on (a CUDA
     tensor on torch.distributed, whose point-to-point goes through gloo) is
@@ -86,7 +91,7 @@ def send(
     carrier = where.backend.p2p_device
     if carrier is not None and plain.device != carrier:
         plain = plain.detach().to(carrier)  # staged (a blocking copy): the transport reads our copy
-    work = where.backend.send(plain, peer, tag, announce=announce, snapshot=snapshot)
+    work = where.backend.send(plain, peer, tag, announce=announce, snapshot=snapshot, bounded=bounded)
     # Like ppermute: a message to oneself moves no bytes.
     sent_bytes = 0 if dst == where.index else plain.numel() * plain.element_size()
     _record_p2p("send", where, plain, sent_bytes, current_phase())

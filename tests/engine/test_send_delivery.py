@@ -57,3 +57,20 @@ def test_every_proof_follows_the_peer_taking_the_gradient_and_this_rank_sending_
                 assert taken is not None and taken < sent_at  # taken by the peer before it sent this
                 proven_somewhere += 1
     assert proven_somewhere > 0
+
+
+@pytest.mark.parametrize("make", [interleaved_1f1b, zb_v])
+def test_a_frozen_front_neither_receives_nor_sends_gradients_so_proves_nothing_there(
+    make: Callable[[int, int, int], Schedule],
+) -> None:
+    """Stages before ``backward_from`` run no backward: a proof pinned to their gradient receive, which the run
+    never makes, held its sends to wait_sends (review of 52e9636: zb_v's rank 0, all 8 of stage 3's); a stage at
+    ``backward_from`` sends no gradient down. Those of stage 3 are proven by other receives (6 of 8 on zb_v)."""
+    schedule = make(2, 4, 8)
+    for r in range(2):
+        delivered = grad_sends_delivered(schedule, r, backward_from=1)
+        assert all(kind == "activation" or stage >= 1 for kind, stage, _ in delivered)
+        assert all(stage - 1 >= 1 for sends in delivered.values() for _, stage, _ in sends)
+    if make is zb_v:
+        proven = {send for sends in grad_sends_delivered(schedule, 0, backward_from=1).values() for send in sends}
+        assert len({m for _, stage, m in proven if stage == 3}) == 6

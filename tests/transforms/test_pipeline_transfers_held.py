@@ -113,3 +113,51 @@ def test_sends_are_let_go_of_once_known_delivered(monkeypatch: pytest.MonkeyPatc
     assert [len(sent[0]), len(sent[1])] == [MICROBATCHES, MICROBATCHES]
     assert alive_at_backward[0] == [0] * MICROBATCHES, alive_at_backward
     assert alive_at_backward[1] == [0] + [1] * (MICROBATCHES - 1), alive_at_backward
+
+
+# -- more sends in flight than a backend bounds, to a peer that posts its receives as it goes -----------------------
+LEAVES = 130  # tensors a boundary carries: 8 micro-batches x 130 = 1,040 gradient sends, past gloo's bound of 1,024
+
+
+class _Split(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(x[:, i:i + 1] * 1.0 for i in range(LEAVES))
+
+
+class _Cat(torch.nn.Module):
+    def forward(self, xs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return torch.cat(xs, dim=1)
+
+
+# Rank 1 runs its backwards in reverse while rank 0 takes the gradients in order: rank 1 sends gradient 7 first.
+_REVERSED = "\n".join([
+    " ".join([*(f"0F{m}" for m in range(MICROBATCHES)), *(f"0B{m}" for m in range(MICROBATCHES))]),
+    " ".join([*(f"1F{m}" for m in range(MICROBATCHES)), *(f"1B{m}" for m in reversed(range(MICROBATCHES)))]),
+])
+
+
+def _many_sends_problem() -> tuple[sw.Step, Any, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, LEAVES), _Split(), _Cat(), torch.nn.Linear(LEAVES, 3)).double()
+    chain, params = sw.functionalize(model)
+    step = sw.train_step(chain, torch.nn.functional.mse_loss, sw.optim.sgd(0.1))
+    gen = torch.Generator().manual_seed(1)
+    batch = (torch.randn(2 * MICROBATCHES, 4, generator=gen, dtype=torch.float64),
+             torch.randn(2 * MICROBATCHES, 3, generator=gen, dtype=torch.float64))
+    return step, params, batch
+
+
+def _many_sends_rank() -> list:  # type: ignore[type-arg]
+    step, params, batch = _many_sends_problem()
+    piped = sw.pipeline(step, "pp", _REVERSED, MICROBATCHES, partition=[2, 2])
+    return sw.testing.record_history(piped, piped.init(params, sw.Mesh(pp=2)), [batch])
+
+
+@pytest.mark.gloo
+def test_more_sends_in_flight_than_the_backend_bounds_do_not_wait_for_a_later_receive(gloo2: Any) -> None:
+    """gloo's backend waits for its oldest unwaited send once 1,024 are pending. Rank 1's oldest here is gradient 7,
+    whose receive rank 0 posts only as it nears it, after gradient 0, which rank 1 could not send while it waited:
+    the step hung to the timeout (review of 52e9636). A pipeline's sends are unbounded (it waits for each itself)."""
+    step, params, batch = _many_sends_problem()
+    expected = sw.testing.record_history(step, step.init(params), [batch])
+    sw.testing.compare_histories(gloo2.run(_many_sends_rank), expected, rtol=1e-10)  # type: ignore[attr-defined]

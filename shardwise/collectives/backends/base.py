@@ -334,7 +334,10 @@ class Backend(abc.ABC):
     ) -> Work: ...
 
     @abc.abstractmethod
-    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True) -> Work:
+    def send(
+        self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True,
+        bounded: bool = True,
+    ) -> Work:
         """Send ``x`` to global rank ``dst`` with ``tag``; ``wait()`` returns ``x``.
 
         The backend snapshots ``x`` (or waits until it is safe to reuse) before
@@ -348,6 +351,10 @@ class Backend(abc.ABC):
         ``x`` itself instead of copying it first, and its ``wait()`` may wait
         until the receiver has the message (so issue your own receives before
         waiting on such a send). The receiver always gets a tensor of its own.
+        ``bounded=False`` (with ``snapshot=False``): the backend never waits for
+        an older send itself to bound how many are pending, which could wait for a
+        receive the peer posts only after one from this rank; the caller waits for
+        every send.
         """
 
     @abc.abstractmethod

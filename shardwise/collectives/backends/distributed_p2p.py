@@ -116,14 +116,17 @@ class PointToPoint:
         # issue order), and the mailbox of messages this rank sent to itself.
         self._p2p_lock = threading.RLock()
         self._sends = _SendReaper(self)
-        # snapshot=False sends, oldest first: their parts, not their works, which hold the sent tensor (a waited
-        # one is let go of at the next send; the work kept a pipeline's last sends, every micro-batch's output
-        # and input gradient, alive from one step to the next's first send).
+        # snapshot=False sends, oldest first: their parts, which let go of the sent tensor once waited for (the
+        # entry leaves at a later send); the works did not, and kept a pipeline's last sends, every micro-batch's
+        # output and input gradient, alive from one step to the next's first send.
         self._unwaited: deque[_PendingSend] = deque()
         self._recv_queues: dict[tuple[int, int], deque[_DistRecvWork]] = {}
         self._self_mailbox = Mailbox()
 
-    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True) -> Work:
+    def send(
+        self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True,
+        bounded: bool = True,
+    ) -> Work:
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
         self._check_p2p_device("send", x.device)
         if dst == self.rank:
@@ -139,7 +142,7 @@ class PointToPoint:
             buffers = [header, *([extension] if extension is not None else []), payload]
         with self._p2p_lock:
             self._sends.raise_failure()
-            if not snapshot:
+            if not snapshot and bounded:
                 self._limit_unwaited()
             works: list[Any] = []
             issued = False

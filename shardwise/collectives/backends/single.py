@@ -61,7 +61,10 @@ class SingleRankBackend(Backend):
         received = (0, 0) in [tuple(p) for p in pairs]
         return CompletedWork(x.clone() if received else torch.zeros_like(x))
 
-    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True) -> Work:
+    def send(
+        self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True,
+        bounded: bool = True,
+    ) -> Work:
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")
         self._mailbox.put((0, 0, tag), x.detach().clone())  # the receiver's own tensor, snapshot or not
         return CompletedWork(x)

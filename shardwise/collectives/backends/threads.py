@@ -414,7 +414,10 @@ class ThreadsBackend(Backend):
 
         return self._run(group, op_name, x, pairs, compute, snapshot)
 
-    def send(self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True) -> Work:
+    def send(
+        self, x: torch.Tensor, dst: int, tag: int, *, announce: bool = True, snapshot: bool = True,
+        bounded: bool = True,
+    ) -> Work:
         # In one process a message is the tensor itself: announced or not, nothing more travels.
         # World.send copies it either way: the receiver gets a tensor of its own.
         dst, tag = check_p2p("send", dst, tag, self.world_size, "dst")

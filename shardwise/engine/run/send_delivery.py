@@ -17,12 +17,14 @@ from typing import Any
 Key = tuple[str, int, int]  # ("activation" | "grad", this rank's stage, micro-batch): a receive, or a send
 
 
-def grad_sends_delivered(schedule: Any, index: int) -> dict[Key, tuple[Key, ...]]:
+def grad_sends_delivered(schedule: Any, index: int, backward_from: int = 0) -> dict[Key, tuple[Key, ...]]:
     """Per receive of pipeline rank ``index`` (keyed by what it receives, for which of its stages, and the
     micro-batch), the gradient sends of that rank (``("grad", stage, micro-batch)``) whose delivery it proves
     and that no earlier receive proved. ``schedule``: a ``transforms.pipeline.Schedule`` (``ranks``, per rank
     its ops in order, each with ``stage``, ``microbatch`` and ``kind`` in F/B/I/W; ``placement``, each stage's
-    rank)."""
+    rank). ``backward_from``: the first stage that runs a backward (``Placement.backward_from``): the stages
+    before it receive no gradient and their successors send none, whatever the schedule's ops say (a proof
+    pinned to such a receive would never come: its sends were held to ``wait_sends``)."""
     placement = schedule.placement
     position = [
         {(op.stage, op.microbatch, op.kind): i for i, op in enumerate(ops)} for ops in schedule.ranks
@@ -35,7 +37,7 @@ def grad_sends_delivered(schedule: Any, index: int) -> dict[Key, tuple[Key, ...]
 
     sends: dict[int, list[tuple[int, Key]]] = {}  # peer -> (where the peer takes it, the send)
     for op in schedule.ranks[index]:
-        if op.kind in ("B", "I") and op.stage > 0 and placement[op.stage - 1] != index:
+        if op.kind in ("B", "I") and op.stage - 1 >= backward_from and placement[op.stage - 1] != index:
             peer = placement[op.stage - 1]
             taken = consumed_at(peer, op.stage - 1, op.microbatch)
             if taken is not None:
@@ -46,7 +48,7 @@ def grad_sends_delivered(schedule: Any, index: int) -> dict[Key, tuple[Key, ...]
         s, m = op.stage, op.microbatch
         if op.kind == "F" and s > 0 and placement[s - 1] != index:
             peer, sent_at, key = placement[s - 1], position[placement[s - 1]].get((s - 1, m, "F")), ("activation", s, m)
-        elif op.kind in ("B", "I") and s + 1 < len(placement) and placement[s + 1] != index:
+        elif op.kind in ("B", "I") and backward_from <= s and s + 1 < len(placement) and placement[s + 1] != index:
             peer, key = placement[s + 1], ("grad", s, m)
             sent_at = consumed_at(peer, s + 1, m)
         else:

@@ -1,14 +1,15 @@
 """The executor's pipeline actions: activations and gradients between stages on different ranks,
 and the gradients of weights tied across pipeline ranks.
 
-A rank's receives are posted ``RECEIVES_AHEAD`` ahead of their waits, in the order it waits for them, so
-transfers land while it computes (gloo moves a message only once its receive is posted). Every receive of
-the step was posted at the rank's first: a buffer per micro-batch each way from there, a middle rank of a
-1F1B of 32 micro-batches 2x its peak at 4 (the activations 1F1B bounds were not the most it held). A send
-is let go of once it is known delivered: a stage output's when its gradient comes back (the peer
-computed from it); an input gradient's at the first receive from that peer that its schedule sends
-after taking the gradient (``send_delivery.py``), else at ``wait_sends``. With the
-stage boundaries predicted for each micro-batch (``engine/plan/predict.py``),
+A rank posts its receives in the order it waits for them, ``RECEIVES_AHEAD`` at most at once (the k-th
+when it waits for the (k - RECEIVES_AHEAD + 1)-th), so transfers land while it computes (gloo moves a
+message only once its receive is posted). Every receive of the step was posted at the rank's first: a
+buffer per micro-batch each way from there, a middle rank of a 1F1B of 32 micro-batches 2x its peak at 4
+(the activations 1F1B bounds were not the most it held). A send is let go of once it is known delivered:
+a stage output's when its gradient comes back (the peer computed from it); an input gradient's at the
+first receive from that peer that its schedule sends after taking the gradient (``send_delivery.py``),
+else at ``wait_sends``. With the stage boundaries predicted for each micro-batch
+(``engine/plan/predict.py``),
 each tensor travels bare and the receiver rebuilds the stage output's pytree;
 otherwise a header goes first: the count, and the structure of an output that is not a tensor or a
 flat tuple of them (``wire_structure``). A mixin of
@@ -44,7 +45,7 @@ def tag_of(kind: str, stage: int, microbatch: int, microbatches: int, leaf: int 
 
 
 TIED_TAG_BASE = 1 << 29  # above every activation/gradient tag (tag_of stays far below it)
-# How many of a rank's receives are posted at once, the next one waited for among them: enough that the next
+# How many of a rank's receives are posted at once, the one waited for among them: enough that the next
 # micro-batch's activation and gradient land during this one's computes; each holds its buffer from there.
 RECEIVES_AHEAD = 4
 
@@ -185,11 +186,13 @@ class TransferActions:
             header = wire_structure.encode(len(leaves), structure)  # host-side control data
             handles.append(send(header, axis, dst, tag=tag_of(kind, s, m, mb), mesh=self.mesh))
         for i, leaf in enumerate(leaves, start=1):
-            # No snapshot: nothing modifies a stage output or an input gradient in place once made,
-            # and each send is waited for (by then the peers have posted their receives).
+            # No snapshot: nothing modifies a stage output or an input gradient in place once made, and
+            # each send is waited for, once proven delivered or at wait_sends (where a peer's later receive is
+            # posted as it goes). Unbounded: a backend's own wait for an old send, past many pending, could
+            # wait for a receive the peer posts only after one from this rank (review of 52e9636: 1,040 sends).
             handles.append(
                 send(leaf.detach(), axis, dst, tag=tag_of(kind, s, m, mb, i), announce=not known, snapshot=False,
-                     mesh=self.mesh)
+                     bounded=False, mesh=self.mesh)
             )
 
     def _source_of(self, action: Action) -> tuple[str, int, int]:

@@ -261,7 +261,7 @@ def _memory(
         if step.pipeline_spec is not None:  # a pipeline's transfers, beside what the stages keep
             rank_of = {c: class_of.index(c) for c in masters}
             transfers = {c: transfer_levels(actions[c], kept.own_output, grad_sends_delivered(
-                layouts[c].schedule, placement.index_of(mesh, rank_of[c]))) for c in masters}
+                layouts[c].schedule, placement.index_of(mesh, rank_of[c]), placement.backward_from)) for c in masters}
             memory["transfer_buffers"] = tuple(max(transfers[c], default=0) for c in class_of)
             for c in masters:
                 kept_at[c] = [k + t for k, t in zip(kept_at[c], transfers[c], strict=True)]

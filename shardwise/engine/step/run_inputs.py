@@ -133,7 +133,8 @@ def _make_rank_run(
             for r in split.replica_checks(step.base_chain)
         },
         rng_rank=split.rng_rank(mesh),
-        sends_delivered_by={} if layout.schedule is None else grad_sends_delivered(layout.schedule, index),
+        sends_delivered_by={} if layout.schedule is None else grad_sends_delivered(
+            layout.schedule, index, placement.backward_from),
     )
 
 
