@@ -49,7 +49,7 @@ class _Counted:
 def test_each_receive_is_posted_a_few_receives_before_its_wait(monkeypatch: pytest.MonkeyPatch,
                                                               schedule: str) -> None:
     step, params, batch = _step(schedule)
-    posted = recv = transfers.recv
+    posted = transfers.recv
     lock = threading.Lock()
     outstanding: dict[int, int] = {}
     most: dict[int, int] = {}
@@ -74,7 +74,7 @@ def test_each_receive_is_posted_a_few_receives_before_its_wait(monkeypatch: pyte
         return float(metrics["loss"])
 
     losses = sw.launch(main, world=2)
-    assert recv is posted and len(set(losses)) == 1
+    assert len(set(losses)) == 1
     assert len(most) == 2, most  # both ranks received
     # (each transfer is one tensor here: a receive action posts one receive)
     assert max(most.values()) == transfers.RECEIVES_AHEAD, (

@@ -107,6 +107,7 @@ from .param_source import ParamSource
 from .param_writes import check_param_writes, param_contents, param_versions
 from .rng import MASK, START, default_generators, mixed, preserved, ranks_share_generators, seed_all, seeded
 from .run_shape import ALONE, run_shape
+from .send_delivery import Key
 from .stage_backward import Saved, StageBackward, mark_reached, reaches
 from .step_end import ReplicaCheck, StepEnd
 from .transfers import TransferActions
@@ -253,7 +254,7 @@ class Executor(ZeroActions, TransferActions, StageBackward, LossAction, StepEnd)
     # the ones the step was given, instead of handed on beside them.
     into_params: bool = False
     # per receive of a pipeline rank, the gradient sends it proves delivered (send_delivery.py)
-    sends_delivered_by: Mapping[tuple[str, int, int], tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    sends_delivered_by: Mapping[Key, tuple[Key, ...]] = field(default_factory=dict)
     # -- per-step working state -------------------------------------------------------------
     device: torch.device = field(init=False)
     _view: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)  # gathered units' parameters

@@ -30,6 +30,7 @@ from ..layout.state_layout import Placement
 from ..model.carry import is_absent_layout
 from ..plan.actions import RECV_ACTIVATION, RECV_GRAD, Action, Boundary
 from . import wire_structure
+from .send_delivery import Key
 from .wide_grads import WideGrads
 
 if TYPE_CHECKING:
@@ -147,7 +148,7 @@ class TransferActions:
     _sent: dict[tuple[str, int, int], list[Handle]]  # the activation and gradient sends not let go of yet
     _posted: dict[tuple[str, int, int], list[Handle]] | None
     _to_post: list[Action]  # the receives not posted yet, the next last
-    sends_delivered_by: Mapping[tuple[str, int, int], tuple[tuple[str, int, int], ...]]
+    sends_delivered_by: Mapping[Key, tuple[Key, ...]]  # (send_delivery.grad_sends_delivered)
     _actions: Sequence[Action]
     _tied_parts: dict[int, dict[int, torch.Tensor]]
     _leaves: dict[tuple[str, str], torch.Tensor]

@@ -4,8 +4,9 @@
 The stages' figures (``planning._kept_levels``) count a stage's input from its forward to its
 backward and its output's gradient at its backward. Besides, the run holds:
 
-* each receive, posted ``RECEIVES_AHEAD`` receives before its own: an activation's buffer until its
-  forward, a gradient's until its backward (its input pass, when the backward is split);
+* each receive, posted when the rank waits for the receive ``RECEIVES_AHEAD - 1`` before it (at its
+  first receive, the first ``RECEIVES_AHEAD``): an activation's buffer until its forward, a gradient's
+  until its backward (its input pass, when the backward is split);
 * a stage output sent, from its send to that micro-batch's backward, which starts from it (to
   ``wait_sends`` for a stage without a backward); less what its last layer keeps of it itself, which
   the stage's figure counts already (a ReLU's result);
@@ -20,6 +21,7 @@ gradients, 0.5 MiB each).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import accumulate
 
 from ..plan.actions import (
     BACKWARD,
@@ -86,8 +88,4 @@ def transfer_levels(
         elif a.kind == SEND_GRAD:
             proof = proven_at.get(("grad", a.require("stage"), a.mb), n)
             hold(i, min(proof, let_go[i]) if proof > i else let_go[i], a.nbytes)
-    levels, level = [], 0
-    for i in range(n):
-        level += change[i]
-        levels.append(level)
-    return levels
+    return list(accumulate(change[:n]))
