@@ -146,7 +146,7 @@ class Bounds:
             placement = Placement.pipelined(applied.chain, "pp", [[n] for n in self.names], range(len(self.names)))
             predict = applied.split.own_prediction() or predict_inside
             found = predict(applied.chain, placement, shapes, applied.loss_fn, inputs, targets,
-                            functools.partial(applied.predicting, c.mesh))
+                            functools.partial(applied.predicting, c.mesh), split_backward=False)  # (B's alone)
             mesh = c.mesh
 
             def seconds(kind: str, s: int) -> float:

@@ -60,3 +60,36 @@ def test_each_rank_still_gets_its_stages_right_from_the_shared_prediction() -> N
     batches = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
     reference = sw.train_step(step.chain, F.mse_loss, sw.optim.sgd(0.1))
     sw.testing.assert_equivalent(step, reference, sw.Mesh(pp=2), batches, params, rtol=1e-6)
+
+
+def test_the_rank_classes_of_one_plan_predict_a_like_update_once_and_plan_what_each_predicts_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two tensor-parallel ranks are two rank classes whose shards have one shape: one plan predicts
+    their optimizer's update on fake tensors once (``plan_of`` shares its fake runs, as a plan search
+    shares them across its plans), and plans what predicting it for each class gives."""
+    from shardwise.engine.model import reuse
+    from shardwise.engine.step import held_levels
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+    chain, params = sw.functionalize(model)
+    step = sw.tensor_parallel(sw.train_step(chain, F.mse_loss, sw.optim.adamw(1e-3)), "tp",
+                              {"0": sw.tp.Colwise(), "2": sw.tp.Rowwise()})
+    mesh, batch = sw.Mesh(tp=2), (torch.randn(4, 8), torch.randn(4, 8))
+    updates: list[int] = []
+    predict = held_levels.predict_update_held
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        updates.append(1)
+        return predict(*args, **kwargs)
+
+    monkeypatch.setattr(held_levels, "predict_update_held", counted)
+    shared = step.plan(mesh, params, batch)
+    assert len(updates) == 1, updates
+    updates.clear()
+    monkeypatch.setattr(reuse, "results_for", lambda purpose: {})  # every class predicts its own
+    alone = step.plan(mesh, params, batch)
+    assert len(updates) == 2, updates
+    assert shared.actions == alone.actions and dict(shared.memory) == dict(alone.memory)
+    assert shared.memory["update_buffers"][0] > 0  # AdamW's new state and temporaries, counted

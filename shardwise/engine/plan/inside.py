@@ -1,7 +1,7 @@
 """The collectives a split transform's layers issue inside each compute, predicted on fake tensors.
 
-Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward (under
-a pipeline also the split backward of zero-bubble schedules, input pass then weight pass), on fake
+Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward (where
+the schedule splits it, zero-bubble's, also the split backward: input pass then weight pass), on fake
 tensors inside ``recording`` (the step's ``in_layer.predicting`` block, with every split's axes),
 which yields the list the layers append what they would issue to (``stack/in_layer.py``), in the
 order the run issues it; this module runs the computes and cuts the list per compute. It is the
@@ -50,9 +50,13 @@ def predict_inside(
     inputs: Any,
     targets: Any,
     recording: Recording,
+    *,
+    split_backward: bool | None = None,
 ) -> Predicted:
     """For every stage: the entries ``recording``'s list got during its forward, the loss (last stage)
-    and its backward (and, under a pipeline, its backward_input and backward_weight)."""
+    and its backward (and with ``split_backward``, its backward_input and backward_weight; None: under a
+    pipeline, ``placement.axis``)."""
+    split = placement.axis is not None if split_backward is None else split_backward
     out: Predicted = {}
     with fake_tensors() as fake, recording() as issued:
         x = optree.tree_map(fake, inputs)
@@ -84,7 +88,6 @@ def predict_inside(
             seeds = [torch.ones_like(o) for o in used]
             inputs_in = _floats(x_in) if s > 0 else []
             weights = [p for p in params.values() if p.requires_grad]
-            split = placement.axis is not None  # a pipeline: its schedule may split the backward
             if used and (inputs_in or weights):
                 torch.autograd.backward(used, seeds, inputs=inputs_in + weights, retain_graph=split)
             out[("backward", s)] = list(issued)

@@ -209,9 +209,11 @@ class OwnPrediction(Protocol):
         self, chain: Chain, placement: Any, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]],
         loss_fn: Callable[[Any, Any], Any], inputs: Any, targets: Any,
         recording: Callable[[], contextlib.AbstractContextManager[list[Issued]]],
+        *, split_backward: bool | None = None,
     ) -> dict[tuple[str, int], list[Issued]]:
         """step.plan with a batch: per (compute kind, stage), what its layers record inside ``recording()``
-        (the step's ``in_layer.predicting`` block, every split's axes), in order."""
+        (the step's ``in_layer.predicting`` block, every split's axes), in order; ``backward_input`` and
+        ``backward_weight`` too with ``split_backward`` (None: under a pipeline, ``placement.axis``)."""
         ...
 
 

@@ -22,6 +22,7 @@ from ..layout.precision import compute_dtype
 from ..layout.sharding import FlatSharding
 from ..layout.state import Params, check_params, tree_nbytes
 from ..layout.state_layout import Placement, StateLayout, local_params, meta_shards, unit_names
+from ..model.reuse import sharing_runs
 from ..optim.meta_like import meta_like
 from ..plan.accounting import KeptParts, predict_kept_parts
 from ..plan.actions import (
@@ -71,6 +72,9 @@ if TYPE_CHECKING:
     from .step import Step
 
 
+# The rank classes run alike fake runs (two tensor-parallel ranks' updates of shards of one shape, a
+# bucketed update's like buckets): made once per plan, as a plan search makes them once for its plans.
+@sharing_runs()
 def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_identical_ranks: bool = True) -> Plan:
     """Per-rank actions of one step: the lowering of the whole transform stack.
 
@@ -205,11 +209,21 @@ def _inside_computes(
     predict = split.own_prediction() or predict_inside
     inputs, targets = one_microbatch(step, mesh, batch)
     found = predict(
-        step.chain, placement, shapes, step.loss_fn, inputs, targets, functools.partial(step.predicting, mesh)
+        step.chain, placement, shapes, step.loss_fn, inputs, targets, functools.partial(step.predicting, mesh),
+        split_backward=_splits_backward(step, layout),
     )
     return {
         key: [(i.op, i.axis, i.label, wire_of(i.shape, i.dtype)) for i in issued] for key, issued in found.items()
     }
+
+
+def _splits_backward(step: Step, layout: StateLayout) -> bool:
+    """Whether the step's schedule splits a backward into an input pass and a weight pass (zero-bubble's
+    ``I`` and ``W``): what the predictions on fake tensors run those passes for, beside the whole one."""
+    schedule = layout.schedule
+    return step.pipeline_spec is not None and schedule is not None and any(
+        op.kind == "W" for ops in schedule.ranks for op in ops
+    )
 
 
 def _units_without_params(step: Step, placement: Placement, index: int) -> list[str] | None:
@@ -759,9 +773,7 @@ def _kept_per_rank(
     # starts from (model/split_backward.py), held to that W: counted with what the micro-batch keeps,
     # from its forward on (an upper bound: they are made at its I). The first stage has no input
     # pass (its input, the batch, needs no gradient): its W is a whole backward.
-    split = pipe is not None and layout.schedule is not None and any(
-        op.kind == "W" for ops in layout.schedule.ranks for op in ops
-    )
+    split = _splits_backward(step, layout)
     with step.predicting(mesh):
         view = step.compute_view(step.local_view(params, mesh, 0))
         parts = predict_kept_parts(step.chain, view, inputs, split=split, loss=(step.loss_fn, targets),

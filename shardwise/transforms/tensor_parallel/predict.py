@@ -1,7 +1,7 @@
 """Which collectives each compute of a tensor-parallel step issues, predicted on fake tensors.
 
 The layers are run forward and backward (as one ``B``, and as ``I`` then ``W``
-for zero-bubble schedules), on fake tensors (no data, no arithmetic) inside
+where the schedule splits the backward: zero-bubble's), on fake tensors (no data, no arithmetic) inside
 ``recording`` (the step's ``in_layer.predicting`` block, every split's axes):
 every in-layer operation records the collective it would issue. Remat and the
 precision casts are part of the rewritten layers, so a recomputed forward's
@@ -62,12 +62,15 @@ def predict(
     recording: Recording,
     *,
     by_layer: bool = True,
+    split_backward: bool | None = None,
 ) -> Predicted:
     """For every stage: the collectives of its forward, of the loss (last stage), and of its
-    backward as ``B``, ``I`` and ``W``; ``by_layer=False``: each stage run whole (see the module
-    docstring)."""
+    backward as ``B``, and with ``split_backward`` as ``I`` and ``W`` too (None: under a pipeline,
+    ``placement.axis``; a schedule without ``W`` never reads them, and they take a second run of every
+    layer); ``by_layer=False``: each stage run whole (see the module docstring)."""
+    split = placement.axis is not None if split_backward is None else split_backward
     if by_layer and not any(chain[n].ties for n in chain.names):  # a tie's owner may sit in another stage
-        composed = _predict_by_layer(chain, placement, shapes, loss_fn, inputs, targets, recording)
+        composed = _predict_by_layer(chain, placement, shapes, loss_fn, inputs, targets, recording, split)
         if composed is not None:
             return composed
     out: Predicted = {}
@@ -86,7 +89,7 @@ def predict(
                 x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
                 continue
             runs = []
-            for _ in range(2):  # one graph for B, one for I then W
+            for _ in range(2 if split else 1):  # one graph for B, one for I then W
                 params = {
                     (layer, k): torch.empty(shape, dtype=dtype).requires_grad_(dtype.is_floating_point)
                     for layer in {*layers, *(o for n in layers for o, _ in chain[n].ties.values())}
@@ -115,19 +118,19 @@ def predict(
                 runs.append(
                     (outputs, _floats(x_in) if s > 0 else [], [p for p in params.values() if p.requires_grad], y)
                 )
-            (outputs, ins, ps, y), (outputs2, ins2, ps2, _) = runs
-            seeds = [torch.ones_like(o) for o in outputs]
+            outputs, ins, ps, y = runs[0]
             used = [o for o in outputs if o.requires_grad]
             start = len(issued)
             if used and (ins or ps):
                 torch.autograd.backward(used, [torch.ones_like(o) for o in used], inputs=ins + ps)
             out[("backward", s)] = issued[start:]
             del issued[start:]
-            used2 = [o for o in outputs2 if o.requires_grad]
-            out[("backward_input", s)], out[("backward_weight", s)] = _split_backward(
-                used2, ins2, ps2, issued, start, recomputes(chain[n].fn for n in layers)
-            )
-            del seeds
+            if split:
+                outputs2, ins2, ps2, _ = runs[1]
+                used2 = [o for o in outputs2 if o.requires_grad]
+                out[("backward_input", s)], out[("backward_weight", s)] = _split_backward(
+                    used2, ins2, ps2, issued, start, recomputes(chain[n].fn for n in layers)
+                )
             kinds = ("forward", "loss", "backward", "backward_input", "backward_weight")
             stages.store(key, x, y, (tuple(layers), {k: out[(k, s)] for k in kinds if (k, s) in out}))
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
@@ -158,10 +161,11 @@ def _predict_by_layer(
     inputs: Any,
     targets: Any,
     recording: Recording,
+    split: bool = True,
 ) -> Predicted | None:
-    """The stages' lists composed of their layers'; None where a layer hands the next one of its stage
-    a value made from parameters alone that needs a gradient, where the input's path reaches back to
-    those parameters too (see :func:`_origins`)."""
+    """The stages' lists composed of their layers' (``I`` and ``W``'s with ``split``); None where a layer
+    hands the next one of its stage a value made from parameters alone that needs a gradient, where the
+    input's path reaches back to those parameters too (see :func:`_origins`)."""
     out: Predicted = {}
     # Shared by the plans of one search (engine/model/reuse.py's sharing_runs): the layouts that
     # rewrite a layer alike, on a like input, run it once.
@@ -183,7 +187,7 @@ def _predict_by_layer(
             for i, name in enumerate(layers):
                 with_loss = s == placement.last and i == len(layers) - 1
                 run, x = _layer(chain, name, shapes, x, from_input, from_param, with_loss, loss_fn, y_targets,
-                                memo, issued, with_the_loss if with_loss else sizes)
+                                memo, issued, with_the_loss if with_loss else sizes, split)
                 runs.append(run)
                 if i < len(layers) - 1 and run.hands_on_a_parameter:
                     return None
@@ -193,8 +197,9 @@ def _predict_by_layer(
             if s == placement.last and runs[-1].loss is not None:
                 out[("loss", s)] = runs[-1].loss
             out[("backward", s)] = [e for r in reversed(runs) for e in r.backward]
-            out[("backward_input", s)] = [e for r in reversed(runs) for e in r.to_input]
-            out[("backward_weight", s)] = [e for r in reversed(runs) for e in r.to_weight]
+            if split:
+                out[("backward_input", s)] = [e for r in reversed(runs) for e in r.to_input]
+                out[("backward_weight", s)] = [e for r in reversed(runs) for e in r.to_weight]
             x = optree.tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, x)
     return out
 
@@ -271,11 +276,11 @@ def _layer(
     chain: Chain, name: str, shapes: Mapping[str, Mapping[str, tuple[torch.Size, torch.dtype]]], x: Any,
     from_input: tuple[bool, ...], from_param: tuple[bool, ...], with_loss: bool,
     loss_fn: Callable[[Any, Any], Any], targets: Any, memo: LayerMemo, issued: list[Issued],
-    around: Hashable = None,
+    around: Hashable = None, split: bool = True,
 ) -> tuple[_LayerIssued, Any]:
     """One layer's collectives on input ``x`` (its leaves' gradients as marked), and its output;
     a run like one before is reused (renamed to this layer). ``around``: what else the run depends on,
-    for a memo shared across predictions."""
+    for a memo shared across predictions. Without ``split``, its ``I`` and ``W`` are not run (left empty)."""
     layer = chain[name]
 
     def fresh_params() -> dict[str, torch.Tensor]:
@@ -283,7 +288,7 @@ def _layer(
                 for k, (shape, dtype) in shapes.get(name, {}).items()}
 
     base = memo.key(layer.fn, fresh_params(), x, layer=name)
-    key = None if base is None else (base, from_input, from_param, with_loss, around)
+    key = None if base is None else (base, from_input, from_param, with_loss, around, split)
     found = memo.lookup(key, x)
     if found is not None:
         y, (earlier, run) = found
@@ -293,7 +298,7 @@ def _layer(
         loss_issued = None if run.loss is None else [_renamed(e, names) for e in run.loss]
         return dataclasses.replace(run, loss=loss_issued, **renamed), y
     graphs = []
-    for _ in range(2):  # one graph for B, one for I then W
+    for _ in range(2 if split else 1):  # one graph for B, one for I then W
         params = fresh_params()
         ps = [p for p in params.values() if p.requires_grad]
         x_in = optree.tree_map(lambda t: _cut(t, t.requires_grad) if isinstance(t, torch.Tensor) else t, x)
@@ -313,7 +318,7 @@ def _layer(
             else:
                 outputs = _floats(y)
         graphs.append((outputs, x_in, ins, ps, y))
-    (outputs, x_in, ins, ps, y), (outputs2, x_in2, _, ps2, _) = graphs
+    outputs, x_in, ins, ps, y = graphs[0]
     # Read before the backward below, which frees the graph's buffers.
     out_input, out_param, hands_on = _origins(y, x_in, from_input, from_param, ps)
     used = [o for o in outputs if o.requires_grad]
@@ -322,6 +327,21 @@ def _layer(
         torch.autograd.backward(used, [torch.ones_like(o) for o in used], inputs=ins + ps)
     backward = issued[start:]
     del issued[start:]
+    to_input: list[Issued] = []
+    to_weight: list[Issued] = []
+    if split:
+        to_input, to_weight = _layer_split_backward(layer.fn, graphs[1], from_input, from_param, issued, start)
+    run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, out_input, out_param, hands_on)
+    memo.store(key, x_in, y, (name, run), keep=layer.fn)
+    return run, y
+
+
+def _layer_split_backward(
+    fn: Any, graph: tuple[list[torch.Tensor], Any, list[torch.Tensor], list[torch.Tensor], Any],
+    from_input: tuple[bool, ...], from_param: tuple[bool, ...], issued: list[Issued], start: int,
+) -> tuple[list[Issued], list[Issued]]:
+    """What a layer's ``I`` and then its ``W`` issue, on its second graph (the first one's backward freed it)."""
+    outputs2, x_in2, _, ps2, _ = graph
     leaves2 = optree.tree_leaves(x_in2, none_is_leaf=True)
     to_input_of = [t for t, f in zip(leaves2, from_input, strict=True) if f and _needs_grad(t)]
     # W's leaves: the parameters, and an input that comes from a parameter alone (one that also comes
@@ -331,10 +351,7 @@ def _layer(
         t for t, p, i in zip(leaves2, from_param, from_input, strict=True) if p and not i and _needs_grad(t)
     ] + ps2
     used2 = [o for o in outputs2 if o.requires_grad]
-    to_input, to_weight = _split_backward(used2, to_input_of, to_weight_of, issued, start, recomputes([layer.fn]))
-    run = _LayerIssued(forward, loss_issued, backward, to_input, to_weight, out_input, out_param, hands_on)
-    memo.store(key, x_in, y, (name, run), keep=layer.fn)
-    return run, y
+    return _split_backward(used2, to_input_of, to_weight_of, issued, start, recomputes([fn]))
 
 
 def _split_backward(

@@ -158,11 +158,13 @@ class TPSpec:
         inputs: Any,
         targets: Any,
         recording: Recording,
+        *,
+        split_backward: bool | None = None,
     ) -> Predicted:
         """Its own prediction of the collectives each compute issues inside its layers, in place of the
-        engine's (which runs each stage whole and knows no zero-bubble ``I`` and ``W``): layer by layer,
-        each distinct layer once, so a 70B's 80 blocks run once (predict.py)."""
-        return predict(chain, placement, shapes, loss_fn, inputs, targets, recording)
+        engine's (which runs each stage whole): layer by layer, each distinct layer once, so a 70B's 80
+        blocks run once (predict.py)."""
+        return predict(chain, placement, shapes, loss_fn, inputs, targets, recording, split_backward=split_backward)
 
     def layer_notes(self, chain: Chain) -> dict[str, str]:
         """Per layer, what tensor parallel does to it, for the Plan."""

@@ -362,6 +362,39 @@ def test_layer_by_layer_a_block_runs_a_number_of_times_that_does_not_grow_with_t
         assert counts[12] > counts[6], counts
 
 
+@pytest.mark.parametrize("stack", ["tp2-sp", "dp2xpp2xtp2-zero3-sp-bf16"])
+def test_a_plan_whose_schedule_has_no_weight_pass_predicts_none_and_is_the_plan_that_does(
+    stack: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Zero-bubble's I and W take a second run of each layer in the prediction (the first run's backward
+    frees its graph), and a backward split in two. Without a pipeline, or under 1F1B, nothing reads them:
+    the Plan runs none, and it is the Plan made with them."""
+    transform, mesh = META[stack]
+    step, params = meta_llama_step(6)
+    step = transform(step)
+    ids = torch.zeros((8, 16), dtype=torch.long)
+    split_runs = [0]
+    split_backward = tp_predict._split_backward
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        split_runs[0] += 1
+        return split_backward(*args, **kwargs)
+
+    monkeypatch.setattr(tp_predict, "_split_backward", counted)
+    plan = step.plan(mesh, params, (ids, ids))
+    assert split_runs[0] == 0
+    def with_the_split(*args: Any, split_backward: bool | None = None, **kwargs: Any) -> Any:
+        assert split_backward is False  # what the Plan asks of a schedule without W
+        return tp_predict.predict(*args, split_backward=True, **kwargs)
+
+    with monkeypatch.context() as m:
+        m.setattr(tp_spec, "predict", with_the_split)
+        with_split = step.plan(mesh, params, (ids, ids))
+    assert split_runs[0] > 0
+    assert plan.actions == with_split.actions
+    assert dict(plan.memory) == dict(with_split.memory)
+
+
 def test_remat_blocks_say_what_they_compute_and_the_plan_is_the_one_without_reuse(
     block_forwards: list[int], monkeypatch: pytest.MonkeyPatch
 ) -> None:
