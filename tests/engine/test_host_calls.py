@@ -94,3 +94,29 @@ def test_a_module_imported_after_a_watch_or_replaced_since_has_its_bindings_watc
             assert module.sqrt is math.sqrt and not hasattr(math.sqrt, "__wrapped__")  # type: ignore[attr-defined]
         finally:
             del sys.modules[module.__name__]
+
+
+def test_a_module_still_being_imported_at_a_watch_has_its_bindings_watched_at_the_next_with_nothing_new() -> None:
+    """A module in ``sys.modules`` mid-import at a watch (its spec's ``_initializing``) binds ``sqrt`` afterwards:
+    the next watch scans it again, though ``sys.modules`` has not changed since (a watch skips its scan only
+    where the modules are those of a scan that left none mid-import)."""
+    import importlib.machinery
+    import sys
+    import types
+
+    module = types.ModuleType("a_model_module_being_imported")
+    module.__spec__ = importlib.machinery.ModuleSpec(module.__name__, None)
+    module.__spec__._initializing = True  # type: ignore[attr-defined]
+    sys.modules[module.__name__] = module
+    try:
+        with calls_watched():
+            pass
+        module.sqrt = math.sqrt  # type: ignore[attr-defined]
+        module.__spec__._initializing = False  # type: ignore[attr-defined]
+        with calls_watched():
+            assert hasattr(module.sqrt, "__wrapped__")  # type: ignore[attr-defined]
+        with calls_watched():  # and at a watch after, with nothing new since either
+            assert hasattr(module.sqrt, "__wrapped__")  # type: ignore[attr-defined]
+        assert not hasattr(module.sqrt, "__wrapped__")  # type: ignore[attr-defined]
+    finally:
+        del sys.modules[module.__name__]
