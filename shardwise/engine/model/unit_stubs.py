@@ -42,6 +42,9 @@ class UnitStub(nn.Module):
 
     def __init__(self, unit: nn.Module, index: int, slot: Slot, call: UnitCall, path: str = "") -> None:
         super().__init__()
+        # The unit's mode, as code around the units reads it (``self.layers[0].training``): a fresh module's is
+        # True, which an eval-mode model's glue read as training (a branch on it took the other way).
+        self.training = unit.training
         self.index, self.slot, self.path = index, slot, path
         self._unit_type = type(unit)  # (what it stands for: sequence_first.py reads torch's own layers')
         output = call.output
@@ -139,10 +142,13 @@ _MODULE_OWN = frozenset(vars(nn.Module()))
 
 class _Submodule:
     """A unit's submodule, read outside the unit's call: its plain attributes (taken at the split, as the stub's
-    are; its mode is the stub's), its own submodules alike; its tensors and a call of it are refused."""
+    are; its mode the stub's, or the other where it was so at the split), its own submodules alike; its tensors
+    and a call of it are refused."""
 
     def __init__(self, unit: str, name: str, module: nn.Module, stub: UnitStub) -> None:
         self._unit, self._name, self._stub, self._type = unit, name, stub, type(module)  # (name: in the unit)
+        # Its mode follows the stub's; a submodule the split found in the other mode than its unit stays so.
+        self._other_mode = module.training != stub.training
         self._attributes = _plain_attributes(module, private=True)
         # (its tensors, and what it holds that a view does not keep: a private container, its hooks)
         self._inner = {*module._parameters, *module._buffers, *vars(module)}
@@ -174,7 +180,7 @@ class _Submodule:
         if name.startswith("__"):
             raise AttributeError(name)
         if name == "training":
-            return self._stub.training
+            return self._stub.training != vars(self).get("_other_mode", False)  # (a view pickled before it)
         if name in self._attributes:
             return self._attributes[name]
         if name in self._submodules:
