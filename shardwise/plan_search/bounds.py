@@ -50,6 +50,7 @@ from ..engine.plan.inside import predict_inside
 from ..engine.plan.lower import zero_holds_shards
 from ..engine.plan.update_memory import predict_update_held
 from ..engine.simulate.costs import CommModel
+from ..engine.stack.roles import prediction_keywords
 from ..engine.step.planning import one_microbatch, planned_device
 from ..engine.step.step import Step
 from ..engine.torch_api import data_dependent_errors
@@ -146,7 +147,8 @@ class Bounds:
             placement = Placement.pipelined(applied.chain, "pp", [[n] for n in self.names], range(len(self.names)))
             predict = applied.split.own_prediction() or predict_inside
             found = predict(applied.chain, placement, shapes, applied.loss_fn, inputs, targets,
-                            functools.partial(applied.predicting, c.mesh), split_backward=False)  # (B's alone)
+                            functools.partial(applied.predicting, c.mesh),
+                            **prediction_keywords(predict, False))  # (B's alone)
             mesh = c.mesh
 
             def seconds(kind: str, s: int) -> float:

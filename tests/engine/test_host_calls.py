@@ -120,3 +120,33 @@ def test_a_module_still_being_imported_at_a_watch_has_its_bindings_watched_at_th
         assert not hasattr(module.sqrt, "__wrapped__")  # type: ignore[attr-defined]
     finally:
         del sys.modules[module.__name__]
+
+
+def test_a_module_replaced_by_an_equal_object_is_scanned_again_and_a_removed_one_not_held() -> None:
+    """A watch skips its scan where ``sys.modules`` holds what it held at the last one: the same objects, not equal
+    ones (a namespace replaced by a copy of it binds ``sqrt`` in the copy); and its record of them holds none (a
+    module removed since, binding nothing watched, is freed)."""
+    import gc
+    import sys
+    import types
+    import weakref
+
+    class Namespace(types.SimpleNamespace):  # (compares by value, as SimpleNamespace; weakly referable)
+        pass
+
+    name, plain = "a_model_namespace_of_the_test", "a_plain_namespace_of_the_test"
+    sys.modules[name] = Namespace(sqrt=math.sqrt)
+    sys.modules[plain] = Namespace(width=8)
+    try:
+        with calls_watched():
+            assert hasattr(sys.modules[name].sqrt, "__wrapped__")
+        copy = Namespace(sqrt=math.sqrt)
+        assert copy == sys.modules[name] and copy is not sys.modules[name]
+        sys.modules[name] = copy
+        with calls_watched():
+            assert hasattr(copy.sqrt, "__wrapped__")
+    finally:
+        del sys.modules[name]
+        gone = weakref.ref(sys.modules.pop(plain))
+    gc.collect()
+    assert gone() is None

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import shardwise as sw
 from shardwise.engine.layout.state_layout import Placement
 from shardwise.engine.plan.inside import predict_inside
+from shardwise.engine.stack.compose import add
 from shardwise.engine.stack.in_layer import Issued
 from shardwise.transforms.tensor_parallel import predict as tp_predict
+
+from .test_splits_per_axis import DataSplit
 
 BACKWARDS = [0]
 
@@ -85,3 +90,29 @@ def test_without_a_pipeline_none_runs_no_split_backward() -> None:
         BACKWARDS[0] = 0
         found = predict(chain, whole, shapes, lambda y, t: y.sum(), torch.randn(4, 8), None, _recording)
         assert BACKWARDS[0] == 1 and {kind for kind, _ in found} == {"forward", "loss", "backward"}
+
+
+@dataclass(frozen=True)
+class _OwnPrediction(DataSplit):
+    """A split bringing its own prediction, written to the protocol before ``split_backward``."""
+
+    name: ClassVar[str] = "own_prediction"
+    calls: ClassVar[list[dict[str, Any]]] = []
+
+    def inner_collectives(self, chain: Any, placement: Any, shapes: Any, loss_fn: Any, inputs: Any, targets: Any,
+                          recording: Any) -> Any:
+        _OwnPrediction.calls.append({})
+        return predict_inside(chain, placement, shapes, loss_fn, inputs, targets, recording)
+
+
+def test_an_own_prediction_without_the_keyword_is_called_as_before_and_plans_what_the_engines_does() -> None:
+    torch.manual_seed(0)
+    chain, params = sw.functionalize(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)))
+    step = sw.train_step(chain, F.mse_loss, sw.optim.sgd(0.1))
+    batch, mesh = (torch.randn(4, 8), torch.randn(4, 8)), sw.Mesh(ds=2)
+    _OwnPrediction.calls.clear()
+    own = add(step, _OwnPrediction("ds")).plan(mesh, params, batch)
+    assert len(_OwnPrediction.calls) == 1
+    engine = add(step, DataSplit("ds")).plan(mesh, params, batch)
+    assert own.actions == engine.actions
+    assert any(a.kind == "inside" for a in own.actions[0])  # the layers' collectives, predicted

@@ -70,6 +70,7 @@ def test_the_rank_classes_of_one_plan_predict_a_like_update_once_and_plan_what_e
     shares them across its plans), and plans what predicting it for each class gives."""
     from shardwise.engine.model import reuse
     from shardwise.engine.step import held_levels
+    from shardwise.engine.step.planning import plan_of
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
@@ -93,3 +94,9 @@ def test_the_rank_classes_of_one_plan_predict_a_like_update_once_and_plan_what_e
     assert len(updates) == 2, updates
     assert shared.actions == alone.actions and dict(shared.memory) == dict(alone.memory)
     assert shared.memory["update_buffers"][0] > 0  # AdamW's new state and temporaries, counted
+    monkeypatch.undo()
+    monkeypatch.setattr(held_levels, "predict_update_held", counted)
+    updates.clear()
+    reference = plan_of(step, mesh, params, batch, share_identical_ranks=False)  # each rank on its own
+    assert len(updates) == 2, updates
+    assert reference.actions == shared.actions and dict(reference.memory) == dict(shared.memory)

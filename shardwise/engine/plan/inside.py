@@ -1,7 +1,8 @@
 """The collectives a split transform's layers issue inside each compute, predicted on fake tensors.
 
-Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward (where
-the schedule splits it, zero-bubble's, also the split backward: input pass then weight pass), on fake
+Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward (with
+``split_backward``, which the Plan asks for where its schedule has zero-bubble's ``W``, also the split backward:
+input pass then weight pass), on fake
 tensors inside ``recording`` (the step's ``in_layer.predicting`` block, with every split's axes),
 which yields the list the layers append what they would issue to (``stack/in_layer.py``), in the
 order the run issues it; this module runs the computes and cuts the list per compute. It is the

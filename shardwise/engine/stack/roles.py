@@ -36,6 +36,7 @@ transforms: no engine code names them outside compose.py's rules (tests/test_lay
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -220,6 +221,17 @@ class OwnPrediction(Protocol):
 def own_prediction(spec: Any) -> Callable[..., dict[tuple[str, int], list[Issued]]] | None:
     """``spec``'s :class:`OwnPrediction` member, or None: the engine predicts for it."""
     return getattr(spec, "inner_collectives", None)
+
+
+def prediction_keywords(predict: Callable[..., Any], split_backward: bool) -> dict[str, bool]:
+    """The keywords to call a prediction of the in-layer collectives with: ``split_backward`` where it takes it.
+    An own prediction written before that keyword (:class:`OwnPrediction`) takes none, and predicts what it did."""
+    try:
+        parameters = inspect.signature(predict).parameters.values()
+    except (TypeError, ValueError):  # (a callable without a signature Python can read)
+        return {}
+    takes = any(p.name == "split_backward" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    return {"split_backward": split_backward} if takes else {}
 
 
 PROTOCOLS: dict[str, type] = {

@@ -8,6 +8,7 @@ each rank holds, from the same layouts ``Step.init`` builds.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -62,6 +63,7 @@ from ..plan.lower import (
 from ..run.send_delivery import grad_sends_delivered
 from ..run.wide_grads import summed_in
 from ..stack.compose import SPLIT, rewrites_in_order, sums_over_batch
+from ..stack.roles import prediction_keywords
 from .batch_cut import batch_multiple, rank_share
 from .held_levels import copies_to_reductions, shard_copy_levels, unsharded_levels, update_levels
 from .param_groups import master_runs
@@ -72,9 +74,6 @@ if TYPE_CHECKING:
     from .step import Step
 
 
-# The rank classes run alike fake runs (two tensor-parallel ranks' updates of shards of one shape, a
-# bucketed update's like buckets): made once per plan, as a plan search makes them once for its plans.
-@sharing_runs()
 def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_identical_ranks: bool = True) -> Plan:
     """Per-rank actions of one step: the lowering of the whole transform stack.
 
@@ -94,7 +93,16 @@ def plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, *, share_
     differ so are told apart (``rank_boundaries.py``).
     ``share_identical_ranks=False`` lowers every rank on its own (the reference the tests compare
     the shared plan with).
+
+    The rank classes make like fake runs (two tensor-parallel ranks update shards of one shape): shared,
+    each made once per plan, as a plan search shares them across its plans (``reuse.sharing_runs``); not
+    in the reference, where each class makes its own (but inside a search, which shares them all).
     """
+    with sharing_runs() if share_identical_ranks else contextlib.nullcontext():
+        return _plan_of(step, mesh, params, batch, share_identical_ranks)
+
+
+def _plan_of(step: Step, mesh: Mesh, params: Params | None, batch: Any, share_identical_ranks: bool) -> Plan:
     mesh = step.check_mesh(mesh) or Mesh(world=1)
     if params is not None:
         check_params(step.chain, params)
@@ -210,7 +218,7 @@ def _inside_computes(
     inputs, targets = one_microbatch(step, mesh, batch)
     found = predict(
         step.chain, placement, shapes, step.loss_fn, inputs, targets, functools.partial(step.predicting, mesh),
-        split_backward=_splits_backward(step, layout),
+        **prediction_keywords(predict, _splits_backward(step, layout)),
     )
     return {
         key: [(i.op, i.axis, i.label, wire_of(i.shape, i.dtype)) for i in issued] for key, issued in found.items()

@@ -1,8 +1,8 @@
 """Which collectives each compute of a tensor-parallel step issues, predicted on fake tensors.
 
-The layers are run forward and backward (as one ``B``, and as ``I`` then ``W``
-where the schedule splits the backward: zero-bubble's), on fake tensors (no data, no arithmetic) inside
-``recording`` (the step's ``in_layer.predicting`` block, every split's axes):
+The layers are run forward and backward (as one ``B``, and with ``split_backward``, which the Plan
+asks for where its schedule has zero-bubble's ``W``, as ``I`` then ``W``), on fake tensors (no data,
+no arithmetic) inside ``recording`` (the step's ``in_layer.predicting`` block, every split's axes):
 every in-layer operation records the collective it would issue. Remat and the
 precision casts are part of the rewritten layers, so a recomputed forward's
 collectives show in the backward, as they run. The lowering lists these after
