@@ -122,10 +122,11 @@ def test_a_module_still_being_imported_at_a_watch_has_its_bindings_watched_at_th
         del sys.modules[module.__name__]
 
 
-def test_a_module_replaced_by_an_equal_object_is_scanned_again_and_a_removed_one_not_held() -> None:
+def test_a_module_replaced_by_an_equal_object_or_at_a_freed_ones_address_is_scanned_again() -> None:
     """A watch skips its scan where ``sys.modules`` holds what it held at the last one: the same objects, not equal
-    ones (a namespace replaced by a copy of it binds ``sqrt`` in the copy); and its record of them holds none (a
-    module removed since, binding nothing watched, is freed)."""
+    ones (a namespace replaced by a copy of it binds ``sqrt`` in the copy), and not a module made at the address of
+    one freed since (the record holds the modules it scanned to the next scan, so none is freed before); a module
+    removed is let go of at the next watch."""
     import gc
     import sys
     import types
@@ -134,9 +135,8 @@ def test_a_module_replaced_by_an_equal_object_is_scanned_again_and_a_removed_one
     class Namespace(types.SimpleNamespace):  # (compares by value, as SimpleNamespace; weakly referable)
         pass
 
-    name, plain = "a_model_namespace_of_the_test", "a_plain_namespace_of_the_test"
+    name = "a_model_namespace_of_the_test"
     sys.modules[name] = Namespace(sqrt=math.sqrt)
-    sys.modules[plain] = Namespace(width=8)
     try:
         with calls_watched():
             assert hasattr(sys.modules[name].sqrt, "__wrapped__")
@@ -147,6 +147,21 @@ def test_a_module_replaced_by_an_equal_object_is_scanned_again_and_a_removed_one
             assert hasattr(copy.sqrt, "__wrapped__")
     finally:
         del sys.modules[name]
-        gone = weakref.ref(sys.modules.pop(plain))
-    gc.collect()
-    assert gone() is None
+    del copy
+    for attempt in range(20):  # a module binding nothing watched, replaced by one binding sqrt, no watch between
+        old = types.ModuleType(name)
+        sys.modules[name] = old
+        with calls_watched():
+            pass
+        gone = weakref.ref(old)
+        del old, sys.modules[name]
+        new = types.ModuleType(name)
+        new.sqrt = math.sqrt  # type: ignore[attr-defined]
+        sys.modules[name] = new
+        try:
+            with calls_watched():
+                assert hasattr(new.sqrt, "__wrapped__"), attempt  # type: ignore[attr-defined]
+        finally:
+            del sys.modules[name], new
+        gc.collect()
+        assert gone() is None  # let go of at the watch after its removal

@@ -116,3 +116,26 @@ def test_an_own_prediction_without_the_keyword_is_called_as_before_and_plans_wha
     engine = add(step, DataSplit("ds")).plan(mesh, params, batch)
     assert own.actions == engine.actions
     assert any(a.kind == "inside" for a in own.actions[0])  # the layers' collectives, predicted
+
+
+def test_the_keyword_goes_where_the_prediction_takes_it_and_nowhere_else() -> None:
+    import functools
+
+    from shardwise.engine.stack.roles import prediction_keywords
+
+    def old(chain: Any, placement: Any, shapes: Any, loss_fn: Any, inputs: Any, targets: Any, recording: Any) -> Any:
+        return {}
+
+    @functools.wraps(old)
+    def forwarding(*args: Any, **kwargs: Any) -> Any:
+        return predict_inside(*args, **kwargs)
+
+    def positional(chain: Any, split_backward: bool = True, /) -> Any:
+        return {}
+
+    assert prediction_keywords(predict_inside, False) == {"split_backward": False}
+    assert prediction_keywords(tp_predict.predict, True) == {"split_backward": True}
+    assert prediction_keywords(old, False) == {}
+    assert prediction_keywords(functools.partial(old, None), False) == {}
+    assert prediction_keywords(forwarding, False) == {"split_backward": False}  # its own **kwargs, not old's
+    assert prediction_keywords(positional, False) == {}

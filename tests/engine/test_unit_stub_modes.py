@@ -59,3 +59,18 @@ def test_the_code_after_the_units_reads_each_units_mode_and_trains_as_one_device
     sw.testing.assert_equivalent(sw.shard_params(step, "dp", 3), step, sw.Mesh(dp=2), batches, params)
     stand_ins = [(training, norm) for kind, training, norm in _SEEN if kind == "UnitStub"]
     assert stand_ins and set(stand_ins) == {want}, _SEEN
+
+
+def test_a_views_mode_is_its_own_at_the_split_until_a_train_or_eval_reaches_its_stub() -> None:
+    torch.manual_seed(0)
+    model = _Model().double()
+    model.blocks[1].norm.eval()
+    chain, _ = sw.functionalize(model, units=_Block, example_input=torch.randn(8, 4, dtype=torch.float64))
+    root = next(layer for layer in chain if layer.name == "head").fn.replicas.module
+    stub = root.blocks[1]
+    assert type(stub).__name__ == "UnitStub"
+    assert (stub.training, stub.norm.training, stub.lin.training) == (True, False, True)  # as at the split
+    root.train()  # as torch's train() sets every module's, the view's too
+    assert (stub.training, stub.norm.training, stub.lin.training) == (True, True, True)
+    root.eval()
+    assert (stub.training, stub.norm.training, stub.lin.training) == (False, False, False)

@@ -78,6 +78,11 @@ class UnitStub(nn.Module):
         # recording the next units' calls through it (embed, a bridge) or replaying up to its carried state.
         self._stale: tuple[StandInGuard, bool] | None = None
 
+    def train(self, mode: bool = True) -> UnitStub:
+        """As a module's: its views (its submodules) take this mode too, from now on."""
+        self._mode_set = True
+        return super().train(mode)
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -142,13 +147,14 @@ _MODULE_OWN = frozenset(vars(nn.Module()))
 
 class _Submodule:
     """A unit's submodule, read outside the unit's call: its plain attributes (taken at the split, as the stub's
-    are; its mode the stub's, or the other where it was so at the split), its own submodules alike; its tensors
-    and a call of it are refused."""
+    are; its mode its own at the split, the stub's once a train() or eval() reached the stub), its own submodules
+    alike; its tensors and a call of it are refused."""
 
     def __init__(self, unit: str, name: str, module: nn.Module, stub: UnitStub) -> None:
         self._unit, self._name, self._stub, self._type = unit, name, stub, type(module)  # (name: in the unit)
-        # Its mode follows the stub's; a submodule the split found in the other mode than its unit stays so.
-        self._other_mode = module.training != stub.training
+        # Its mode at the split (a submodule may be in another than its unit's); the stub's once a train() or
+        # eval() reached the stub, as it would have set this submodule's (UnitStub.train).
+        self._mode_at_split = module.training
         self._attributes = _plain_attributes(module, private=True)
         # (its tensors, and what it holds that a view does not keep: a private container, its hooks)
         self._inner = {*module._parameters, *module._buffers, *vars(module)}
@@ -180,7 +186,8 @@ class _Submodule:
         if name.startswith("__"):
             raise AttributeError(name)
         if name == "training":
-            return self._stub.training != vars(self).get("_other_mode", False)  # (a view pickled before it)
+            mode = vars(self).get("_mode_at_split")  # (None: a view pickled before it, which reads the stub's)
+            return self._stub.training if mode is None or vars(self._stub).get("_mode_set") else mode
         if name in self._attributes:
             return self._attributes[name]
         if name in self._submodules:

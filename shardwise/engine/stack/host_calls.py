@@ -62,9 +62,10 @@ _originals: list[tuple[Any, str, Any, Any]] = []  # (owner, name, original, stan
 _scanned: dict[str, int] = {}  # module name -> id of the module scanned
 _bound: dict[str, tuple[Any, tuple[str, ...]]] = {}
 _scanned_for: list[frozenset[int]] = [frozenset()]  # the originals (by id) the scans looked for
-# sys.modules as a scan left it with every module scanned, its names and the ids of their modules (None: none
-# did, or one was still being imported); ids, not the modules, which a module removed since would outlive
-_modules_scanned: list[tuple[list[str], list[int]] | None] = [None]
+# sys.modules as the last scan saw it: its names, their modules' ids, the modules themselves (held to the next
+# scan, so that no module made since takes a scanned one's id: a replacement at a freed one's address read as
+# the module scanned, and went unwatched), and whether that scan left none to scan again (one mid-import)
+_modules_scanned: list[tuple[list[str], list[int], tuple[Any, ...], bool] | None] = [None]
 _listed: list[tuple[Any, list[tuple[Any, str, Any]]]] = []  # (the namespaces listed, by id and size; the list)
 _made: dict[tuple[str, str, int], tuple[Any, Callable[..., Any]]] = {}  # (owner, name, id) -> (original, stand-in)
 _made_in_place: dict[str, tuple[type, ...]] = {}  # a watched type's kind -> what judges make in place of its results
@@ -227,17 +228,18 @@ def _scan(originals: dict[int, Any]) -> None:
                 pending = True
                 continue  # still being imported: scanned again at the next watch
         _scanned[module_name] = module_id
-    _modules_scanned[0] = None if pending else (list(modules), list(map(id, modules.values())))
+    _modules_scanned[0] = (list(modules), list(map(id, modules.values())), tuple(modules.values()), not pending)
 
 
-def _unchanged(scanned: tuple[list[str], list[int]] | None) -> bool:
-    """Whether ``sys.modules`` holds the modules it held at the scan ``scanned`` (their names and ids, in order:
-    one replaced since, even by an object that compares equal, is a change), compared in C."""
+def _unchanged(scanned: tuple[list[str], list[int], tuple[Any, ...], bool] | None) -> bool:
+    """Whether ``sys.modules`` holds the modules it held at the complete scan ``scanned`` (their names and ids, in
+    order: one replaced since, even by an object that compares equal, is a change), compared in C."""
     if scanned is None:
         return False
-    names, ids = scanned
+    names, ids, _, complete = scanned
     modules = sys.modules
-    return len(modules) == len(names) and list(map(id, modules.values())) == ids and list(modules) == names
+    return complete and len(modules) == len(names) and list(map(id, modules.values())) == ids \
+        and list(modules) == names
 
 
 def _bindings(originals: dict[int, Any]) -> list[tuple[Any, str, Any]]:

@@ -226,11 +226,12 @@ def own_prediction(spec: Any) -> Callable[..., dict[tuple[str, int], list[Issued
 def prediction_keywords(predict: Callable[..., Any], split_backward: bool) -> dict[str, bool]:
     """The keywords to call a prediction of the in-layer collectives with: ``split_backward`` where it takes it.
     An own prediction written before that keyword (:class:`OwnPrediction`) takes none, and predicts what it did."""
-    try:
-        parameters = inspect.signature(predict).parameters.values()
+    try:  # (its own signature: a functools.wraps wrapper forwarding **kwargs takes the keyword)
+        parameters = inspect.signature(predict, follow_wrapped=False).parameters.values()
     except (TypeError, ValueError):  # (a callable without a signature Python can read)
         return {}
-    takes = any(p.name == "split_backward" or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
+    takes = any((p.name == "split_backward" and p.kind is not inspect.Parameter.POSITIONAL_ONLY)
+                or p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters)
     return {"split_backward": split_backward} if takes else {}
 
 
