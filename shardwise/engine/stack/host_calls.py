@@ -216,6 +216,8 @@ def _scan(originals: dict[int, Any]) -> None:
     modules = dict(sys.modules)
     pending = False
     current = {module_name: id(module) for module_name, module in modules.items()}
+    for gone in _scanned.keys() - current.keys():  # removed: a module made later at its address is another
+        del _scanned[gone]
     for module_name, module_id in current.items() - _scanned.items():  # new, or replaced since its scan
         module = modules[module_name]
         _bound.pop(module_name, None)
