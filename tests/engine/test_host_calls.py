@@ -148,7 +148,7 @@ def test_a_module_replaced_by_an_equal_object_or_at_a_freed_ones_address_is_scan
     finally:
         del sys.modules[name]
     del copy
-    for attempt in range(20):  # a module binding nothing watched, replaced by one binding sqrt, no watch between
+    for attempt in range(5):  # a module binding nothing watched, replaced by one binding sqrt, no watch between
         old = types.ModuleType(name)
         sys.modules[name] = old
         with calls_watched():
@@ -167,7 +167,7 @@ def test_a_module_replaced_by_an_equal_object_or_at_a_freed_ones_address_is_scan
         assert gone() is None  # let go of at the watch after its removal
     from shardwise.engine.stack import host_calls
 
-    for attempt in range(50):  # the same with a watch between: the old module freed before the new one is made
+    for attempt in range(5):  # the same with a watch between: the old module freed before the new one is made
         old = types.ModuleType(name)
         sys.modules[name] = old
         with calls_watched():
