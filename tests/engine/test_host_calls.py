@@ -148,39 +148,29 @@ def test_a_module_replaced_by_an_equal_object_or_at_a_freed_ones_address_is_scan
     finally:
         del sys.modules[name]
     del copy
-    for attempt in range(5):  # a module binding nothing watched, replaced by one binding sqrt, no watch between
-        old = types.ModuleType(name)
-        sys.modules[name] = old
-        with calls_watched():
-            pass
-        gone = weakref.ref(old)
-        del old, sys.modules[name]
-        new = types.ModuleType(name)
-        new.sqrt = math.sqrt  # type: ignore[attr-defined]
-        sys.modules[name] = new
-        try:
-            with calls_watched():
-                assert hasattr(new.sqrt, "__wrapped__"), attempt  # type: ignore[attr-defined]
-        finally:
-            del sys.modules[name], new
-        gc.collect()
-        assert gone() is None  # let go of at the watch after its removal
     from shardwise.engine.stack import host_calls
 
-    for attempt in range(5):  # the same with a watch between: the old module freed before the new one is made
-        old = types.ModuleType(name)
-        sys.modules[name] = old
-        with calls_watched():
-            pass
-        del old, sys.modules[name]
-        with calls_watched():
-            pass
-        assert name not in host_calls._scanned  # forgotten with it: a module made at its address is scanned
-        new = types.ModuleType(name)
-        new.sqrt = math.sqrt  # type: ignore[attr-defined]
-        sys.modules[name] = new
-        try:
+    # A module binding nothing watched, removed and replaced by one binding sqrt: with no watch between (the old
+    # one held by the record), and with one (the old one freed before the new one is made, and forgotten).
+    for watch_between in (False, True):
+        for attempt in range(5):
+            old = types.ModuleType(name)
+            sys.modules[name] = old
             with calls_watched():
-                assert hasattr(new.sqrt, "__wrapped__"), attempt  # type: ignore[attr-defined]
-        finally:
-            del sys.modules[name], new
+                pass
+            gone = weakref.ref(old)
+            del old, sys.modules[name]
+            if watch_between:
+                with calls_watched():
+                    pass
+                assert name not in host_calls._scanned  # forgotten with it: a module made at its address is scanned
+            new = types.ModuleType(name)
+            new.sqrt = math.sqrt  # type: ignore[attr-defined]
+            sys.modules[name] = new
+            try:
+                with calls_watched():
+                    assert hasattr(new.sqrt, "__wrapped__"), (watch_between, attempt)  # type: ignore[attr-defined]
+            finally:
+                del sys.modules[name], new
+            gc.collect()
+            assert gone() is None  # let go of by the watch after its removal
