@@ -1,11 +1,11 @@
 """The collectives a split transform's layers issue inside each compute, predicted on fake tensors.
 
 Every stage (without a pipeline: every layer) runs forward, the loss on the last, and backward (with
-``split_backward``, which the Plan asks for where its schedule has zero-bubble's ``W``, also the split backward:
-input pass then weight pass), on fake
-tensors inside ``recording`` (the step's ``in_layer.predicting`` block, with every split's axes),
-which yields the list the layers append what they would issue to (``stack/in_layer.py``), in the
-order the run issues it; this module runs the computes and cuts the list per compute. It is the
+``split_backward``, which the Plan asks for where its schedule has zero-bubble's ``W``, also the split
+backward: input pass then weight pass), on fake tensors inside ``recording`` (the step's
+``in_layer.predicting`` block, with every split's axes), which yields the list the layers append what
+they would issue to (``stack/in_layer.py``), in the order the run issues it; this module runs the
+computes and cuts the list per compute. It is the
 engine's prediction for every split; a split may bring its own (``roles.OwnPrediction``: tensor
 parallel's goes layer by layer, each distinct layer once, and knows zero-bubble's split backward).
 A layer that reads data to decide a shape runs on real stand-ins instead (engine/torch_api.py).
